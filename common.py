@@ -1,0 +1,817 @@
+"""What dqn.py and pg.py share: Trax's advantage estimators, its `remaining_evals`
+helper, and the small plumbing every run needs (env by name, MLP, schedules,
+config flags, atomic checkpoints, metrics files, the epoch loop).
+
+Copy this file together with dqn.py or pg.py; nothing here imports either script.
+Importing it compiles nothing.
+"""
+
+import argparse
+import dataclasses
+import datetime
+import io
+import itertools
+import json
+import math
+import os
+import signal
+import sys
+import time
+import typing
+import zipfile
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+# ---------------------------------------------------------------------------
+# Advantage estimators: trax/rl/advantages.py, same signatures and numerics,
+# rewritten with jnp/lax so they jit and vmap (Trax wrote into numpy arrays).
+# Every array is [batch, length]; a result is [batch, length - margin].
+# ---------------------------------------------------------------------------
+
+
+def mask_discount(discount, discount_mask):
+    """Per-step discount: `discount` where the mask is set, 1 elsewhere."""
+    return jnp.where(discount_mask, discount, 1.0)
+
+
+def discounted_returns(rewards, gammas):
+    """G_t = r_t + gamma_t * G_{t+1}, summed from the end of each row."""
+    def step(future, reward_and_gamma):
+        reward, gamma = reward_and_gamma
+        current = reward + gamma * future
+        return current, current
+
+    rewards = jnp.asarray(rewards)
+    gammas = jnp.broadcast_to(jnp.asarray(gammas, rewards.dtype), rewards.shape)
+    _, returns = jax.lax.scan(step, jnp.zeros_like(rewards[:, 0]),
+                              (rewards.T, gammas.T), reverse=True)
+    return returns.T
+
+
+def monte_carlo(gamma, margin):
+    """Empirical return minus value; at a terminal step the return is its reward."""
+    del gamma
+
+    def estimator(rewards, returns, values, dones, discount_mask):
+        del discount_mask
+        length = returns.shape[1]
+        returns = jnp.where(dones, rewards, returns)
+        values = jnp.where(dones, jnp.zeros_like(values), values)
+        return (returns - values)[:, :length - margin]
+
+    return estimator
+
+
+def td_k(gamma, margin):
+    """k-step TD advantage, k = margin > 0: sum of k discounted rewards plus the
+    discounted value k steps ahead, minus the value now."""
+    if margin < 1:
+        raise ValueError(f'td_k needs margin >= 1, got {margin}')
+    k = margin
+
+    def estimator(rewards, returns, values, dones, discount_mask):
+        del returns
+        gammas = mask_discount(gamma, discount_mask)
+        length = values.shape[1] - k
+        advantages = jnp.zeros_like(values[:, k:])
+        discount = jnp.ones_like(advantages)
+        for i in range(k):
+            advantages += discount * rewards[:, i:i + length]
+            discount *= gammas[:, i:i + length]
+        advantages += discount * values[:, k:]
+        advantages = jnp.where(dones[:, :-k], rewards[:, :-k], advantages)
+        return advantages - values[:, :-k]
+
+    return estimator
+
+
+def _lambda_estimator_inputs(gamma, lambda_, values, dones, discount_mask):
+    gammas = mask_discount(gamma, discount_mask).astype(values.dtype)
+    lambdas = mask_discount(lambda_, discount_mask).astype(values.dtype)
+    not_done = 1.0 - jnp.asarray(dones).astype(values.dtype)
+    return gammas, lambdas, not_done
+
+
+def td_lambda(gamma, margin, lambda_=0.95):
+    """TD(lambda) return minus value, computed backwards from the last value."""
+    def estimator(rewards, returns, values, dones, discount_mask):
+        gammas, lambdas, not_done = _lambda_estimator_inputs(
+            gamma, lambda_, values, dones, discount_mask)
+        length = returns.shape[1]
+
+        def step(next_return, xs):
+            reward, cont, g, lam, next_value = xs
+            current = reward + cont * g * ((1 - lam) * next_value + lam * next_return)
+            return current, current
+
+        xs = (rewards[:, :-1].T, not_done[:, :-1].T, gammas[:, :-1].T,
+              lambdas[:, :-1].T, values[:, 1:].T)
+        _, head = jax.lax.scan(step, values[:, -1], xs, reverse=True)
+        lambda_returns = jnp.concatenate([head.T, values[:, -1:]], axis=1)
+        return (lambda_returns - values)[:, :length - margin]
+
+    return estimator
+
+
+def gae(gamma, margin, lambda_=0.95):
+    """Generalised advantage estimation; the last step's advantage is 0."""
+    def estimator(rewards, returns, values, dones, discount_mask):
+        gammas, lambdas, not_done = _lambda_estimator_inputs(
+            gamma, lambda_, values, dones, discount_mask)
+        length = returns.shape[1]
+
+        def step(next_advantage, xs):
+            reward, cont, g, lam, value, next_value = xs
+            delta = reward - value + cont * g * next_value
+            current = delta + cont * g * lam * next_advantage
+            return current, current
+
+        xs = (rewards[:, :-1].T, not_done[:, :-1].T, gammas[:, :-1].T,
+              lambdas[:, :-1].T, values[:, :-1].T, values[:, 1:].T)
+        _, head = jax.lax.scan(step, jnp.zeros_like(values[:, -1]), xs, reverse=True)
+        advantages = jnp.concatenate([head.T, jnp.zeros_like(values[:, -1:])], axis=1)
+        return advantages[:, :length - margin]
+
+    return estimator
+
+
+# ---------------------------------------------------------------------------
+# remaining_evals: trax/rl/training.py, unchanged.
+# ---------------------------------------------------------------------------
+
+
+def remaining_evals(cur_step, epoch, train_steps_per_epoch, evals_per_epoch):
+    """How many trainer evaluation chunks are left in `epoch` at `cur_step`."""
+    if epoch < 1:
+        raise ValueError('Epoch must be at least 1, got %d' % epoch)
+    prev_steps = (epoch - 1) * train_steps_per_epoch
+    done_steps_this_epoch = cur_step - prev_steps
+    if done_steps_this_epoch < 0:
+        raise ValueError('Current step (%d) < previously done steps (%d).'
+                         % (cur_step, prev_steps))
+    train_steps_per_eval = train_steps_per_epoch // evals_per_epoch
+    if done_steps_this_epoch % train_steps_per_eval != 0:
+        raise ValueError('Done steps (%d) must divide train steps per eval (%d).'
+                         % (done_steps_this_epoch, train_steps_per_eval))
+    return evals_per_epoch - done_steps_this_epoch // train_steps_per_eval
+
+
+# ---------------------------------------------------------------------------
+# Environments.
+# ---------------------------------------------------------------------------
+
+
+class UsageError(ValueError):
+    """Bad input from the user: reported as one line and exit status 2."""
+
+
+def make_env(name, max_steps=None):
+    """A gymnax env and its params by registered name; `max_steps` caps episodes."""
+    import gymnax  # imported here so `import common` stays fast
+    if name not in gymnax.registered_envs:
+        raise UsageError(f'unknown env {name!r}; valid gymnax envs: '
+                         + ', '.join(gymnax.registered_envs))
+    try:
+        env, env_params = gymnax.make(name)
+    except Exception as error:  # e.g. MNISTBandit-bsuite downloads its data
+        raise UsageError(f'env {name} cannot be built here ({type(error).__name__}: '
+                         f'{str(error).splitlines()[0] if str(error) else ""}); '
+                         'it may need data from the internet') from error
+    if max_steps is not None:
+        if not hasattr(env_params, 'max_steps_in_episode'):
+            raise UsageError(f'env {name} has no episode time limit to set')
+        env_params = env_params.replace(max_steps_in_episode=int(max_steps))
+    return env, env_params
+
+
+def space_kind(space):
+    """'discrete' or 'box' for a gymnax space; anything else is refused."""
+    kind = type(space).__name__
+    if kind == 'Discrete':
+        return 'discrete'
+    if kind == 'Box':
+        return 'box'
+    raise UsageError(f'action space {kind} is not supported (only Discrete and Box)')
+
+
+def flat_obs_size(env, env_params):
+    return int(np.prod(env.observation_space(env_params).shape))
+
+
+def env_max_steps(env_params):
+    return int(getattr(env_params, 'max_steps_in_episode', 1000))
+
+
+# ---------------------------------------------------------------------------
+# Networks: a plain MLP over a params pytree (Trax's MLP: Dense + Relu).
+# ---------------------------------------------------------------------------
+
+
+def init_mlp(key, sizes, last_scale=1.0):
+    """[{'w', 'b'}] for layer sizes [in, hidden..., out]; orthogonal init."""
+    params = []
+    keys = jax.random.split(key, len(sizes) - 1)
+    for i, (key_i, fan_in, fan_out) in enumerate(zip(keys, sizes[:-1], sizes[1:])):
+        scale = last_scale if i == len(sizes) - 2 else math.sqrt(2.0)
+        weights = jax.nn.initializers.orthogonal(scale)(key_i, (fan_in, fan_out))
+        params.append({'w': weights, 'b': jnp.zeros((fan_out,))})
+    return params
+
+
+def mlp(params, x):
+    """Apply an MLP made by init_mlp; ReLU between layers, linear output."""
+    for layer in params[:-1]:
+        x = jax.nn.relu(x @ layer['w'] + layer['b'])
+    return x @ params[-1]['w'] + params[-1]['b']
+
+
+# ---------------------------------------------------------------------------
+# Schedules: Trax's lr.multifactor, written in jnp so `constant` (and the
+# others) may be traced per-run hyperparameters in a vmapped sweep.
+# ---------------------------------------------------------------------------
+
+SCHEDULE_FACTORS = ('constant', 'linear_warmup', 'rsqrt_decay', 'decay_every',
+                    'linear_decay')
+
+
+def multifactor(factors='constant * linear_warmup * rsqrt_decay', constant=0.1,
+                warmup_steps=400, decay_factor=0.5, steps_per_decay=20000,
+                minimum=0.0, total_steps=1):
+    """step -> value, the product of the named factors, floored at `minimum`.
+
+    Trax's factors; `linear_decay` (1 -> 0 over `total_steps`) is ours, added
+    because annealing the learning rate makes the final policy stable. The
+    result is an optax schedule (any callable count -> value is one).
+    """
+    names = [name.strip() for name in factors.split('*') if name.strip()]
+    for name in names:
+        if name not in SCHEDULE_FACTORS:
+            raise UsageError(f'unknown schedule factor {name!r}; allowed: '
+                             + ', '.join(SCHEDULE_FACTORS))
+
+    def schedule(step):
+        step = jnp.asarray(step, jnp.float32)
+        value = jnp.float32(1.0)
+        for name in names:
+            if name == 'constant':
+                value = value * constant
+            elif name == 'linear_warmup':
+                value = value * jnp.minimum(1.0, step / warmup_steps)
+            elif name == 'rsqrt_decay':
+                value = value / jnp.sqrt(jnp.maximum(step, warmup_steps))
+            elif name == 'decay_every':
+                value = value * decay_factor ** jnp.floor(step / steps_per_decay)
+            elif name == 'linear_decay':
+                value = value * jnp.maximum(0.0, 1.0 - step / total_steps)
+        return jnp.maximum(value, minimum)
+
+    return schedule
+
+
+# ---------------------------------------------------------------------------
+# Config flags: a frozen dataclass -> argparse, one help line per field.
+# ---------------------------------------------------------------------------
+
+
+def option(default, help, sweep=False):
+    """A config field with its --help line; `sweep` fields take a comma list."""
+    return dataclasses.field(default=default, metadata={'help': help, 'sweep': sweep})
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse that reports a bad flag as one line on stderr, status 2."""
+
+    def error(self, message):
+        self.exit(2, f'{self.prog}: error: {message}\n')
+
+
+def _base_type(annotation):
+    """(element type, is_tuple, optional) of a field annotation."""
+    optional = False
+    args = typing.get_args(annotation)
+    if type(None) in args:  # Optional[X] / X | None
+        optional = True
+        annotation = next(a for a in args if a is not type(None))
+        args = typing.get_args(annotation)
+    if typing.get_origin(annotation) is tuple:
+        return args[0], True, optional
+    return annotation, False, optional
+
+
+def _parse_scalar(kind, text, flag):
+    try:
+        if kind is int:
+            value = float(text)
+            if value != int(value):
+                raise ValueError
+            return int(value)
+        return kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f'{flag}: expected {kind.__name__}, got {text!r}') from None
+
+
+def _flag_parser(kind, is_tuple, optional, sweep, flag):
+    def parse(text):
+        if optional and text.lower() in ('none', ''):
+            return None
+        parts = [part.strip() for part in text.split(',') if part.strip()]
+        if not parts:
+            raise argparse.ArgumentTypeError(f'{flag}: empty value')
+        values = [_parse_scalar(kind, part, flag) for part in parts]
+        if is_tuple:
+            return tuple(values)
+        if len(values) > 1 and not sweep:
+            raise argparse.ArgumentTypeError(
+                f'{flag} takes one value (it changes shapes or the program), got {text!r}')
+        return values if sweep else values[0]
+    return parse
+
+
+def build_parser(config_cls, prog, description):
+    """A parser with one flag per config field plus the run flags."""
+    parser = ArgumentParser(prog=prog, description=description,
+                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    hints = typing.get_type_hints(config_cls)
+    for field in dataclasses.fields(config_cls):
+        flag = '--' + field.name.replace('_', '-')
+        kind, is_tuple, optional = _base_type(hints[field.name])
+        help_text = field.metadata.get('help', '')
+        sweep = field.metadata.get('sweep', False)
+        if sweep:
+            help_text += ' [comma list = sweep]'
+        if kind is bool:
+            parser.add_argument(flag, dest=field.name, default=field.default,
+                                action=argparse.BooleanOptionalAction, help=help_text)
+        else:
+            parser.add_argument(flag, dest=field.name, default=field.default,
+                                type=_flag_parser(kind, is_tuple, optional, sweep, flag),
+                                metavar=kind.__name__.upper(), help=help_text)
+    run = parser.add_argument_group('run')
+    run.add_argument('--seed', type=_flag_parser(int, False, False, False, '--seed'),
+                     default=0, help='first seed; runs use seed, seed+1, ...')
+    run.add_argument('--num-seeds', type=_flag_parser(int, False, False, False, '--num-seeds'),
+                     default=1, help='independent seeds, vmapped in one program')
+    run.add_argument('--output-dir', default=None,
+                     help='where config, metrics, checkpoint and summary go; an existing '
+                          'run there is resumed (default: a new folder under runs/)')
+    run.add_argument('--only-eval', action='store_true',
+                     help='restore the checkpoint in --output-dir and only evaluate')
+    run.add_argument('--plot', action='store_true',
+                     help='write learning_curve.png to the output dir')
+    run.add_argument('--device', default=None,
+                     type=_flag_parser(int, False, True, False, '--device'),
+                     help='run on this one device index (default: shard runs over all)')
+    run.add_argument('--quiet', action='store_true', help='no per-epoch lines on stdout')
+    return parser
+
+
+def config_and_grid(config_cls, args):
+    """(config with each sweep field at its first value, {field: [values]})."""
+    values, grid = {}, {}
+    for field in dataclasses.fields(config_cls):
+        value = getattr(args, field.name)
+        if field.metadata.get('sweep') and isinstance(value, list):
+            if len(value) > 1:
+                grid[field.name] = value
+            value = value[0]
+        values[field.name] = value
+    return config_cls(**values), grid
+
+
+def expand_runs(config, grid, seed, num_seeds):
+    """One dict per run: the grid point (outer, in flag order) times seeds (inner)."""
+    names = list(grid)
+    runs = []
+    for point in itertools.product(*(grid[name] for name in names)):
+        for offset in range(num_seeds):
+            run = {'seed': seed + offset}
+            run.update({name: getattr(config, name) for name in sweep_fields(config)})
+            run.update(dict(zip(names, point)))
+            runs.append(run)
+    return runs
+
+
+def sweep_fields(config):
+    return [f.name for f in dataclasses.fields(config) if f.metadata.get('sweep')]
+
+
+def hyperparameters(config, runs):
+    """{sweepable field: float32 array [n_runs]}, the traced per-run values."""
+    return {name: jnp.asarray([run[name] for run in runs], jnp.float32)
+            for name in sweep_fields(config)}
+
+
+# ---------------------------------------------------------------------------
+# Checkpoints: one .npz holding every leaf of the state pytree and a JSON
+# metadata blob, written to a temp file and renamed, so a crash at any moment
+# leaves either the old or the new checkpoint, never a broken one.
+# ---------------------------------------------------------------------------
+
+
+def _leaf_paths(tree):
+    return [jax.tree_util.keystr(path)
+            for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+
+
+def atomic_write_bytes(path, data):
+    tmp = f'{path}.tmp-{os.getpid()}'
+    with open(tmp, 'wb') as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    try:
+        directory = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
+        os.fsync(directory)
+        os.close(directory)
+    except OSError:
+        pass
+
+
+def save_checkpoint(path, state, metadata):
+    """Atomically write `state` (any pytree of arrays) and JSON `metadata`."""
+    leaves = [np.asarray(leaf) for leaf in jax.tree.leaves(jax.device_get(state))]
+    header = {'paths': _leaf_paths(state), 'metadata': metadata}
+    arrays = {f'leaf_{i:05d}': leaf for i, leaf in enumerate(leaves)}
+    arrays['header'] = np.frombuffer(json.dumps(header).encode(), np.uint8)
+    buffer = io.BytesIO()
+    np.savez(buffer, **arrays)
+    atomic_write_bytes(path, buffer.getvalue())
+
+
+def read_checkpoint_metadata(path):
+    """The JSON metadata of a checkpoint; ValueError naming the file if unreadable."""
+    return _read_checkpoint(path)[0]['metadata']
+
+
+def _read_checkpoint(path):
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            header = json.loads(bytes(data['header']).decode())
+            leaves = [data[f'leaf_{i:05d}'] for i in range(len(header['paths']))]
+    except FileNotFoundError:
+        raise ValueError(f'checkpoint {path} does not exist') from None
+    except (OSError, KeyError, ValueError, EOFError, zipfile.BadZipFile,
+            UnicodeDecodeError) as error:
+        raise ValueError(f'checkpoint {path} is corrupt or truncated '
+                         f'({type(error).__name__}: {error})') from None
+    return header, leaves
+
+
+def load_checkpoint(path, template):
+    """(state shaped like `template`, metadata); ValueError naming the file if the
+    file is corrupt or its structure, shapes or dtypes differ from the template."""
+    header, leaves = _read_checkpoint(path)
+    expected_paths = _leaf_paths(template)
+    template_leaves, treedef = jax.tree.flatten(template)
+    if header['paths'] != expected_paths:
+        missing = sorted(set(expected_paths) - set(header['paths']))[:3]
+        extra = sorted(set(header['paths']) - set(expected_paths))[:3]
+        raise ValueError(f'checkpoint {path} has a different state structure '
+                         f'(missing {missing}, unexpected {extra})')
+    for name, leaf, want in zip(expected_paths, leaves, template_leaves):
+        if leaf.shape != tuple(want.shape) or leaf.dtype != want.dtype:
+            raise ValueError(f'checkpoint {path}: {name} is {leaf.dtype}{list(leaf.shape)}, '
+                             f'expected {want.dtype}{list(want.shape)}')
+    return jax.tree.unflatten(treedef, leaves), header['metadata']
+
+
+# ---------------------------------------------------------------------------
+# Metrics: metrics.jsonl has one JSON object per (epoch, run); stdout one
+# human line per epoch (mean and min over runs).
+# ---------------------------------------------------------------------------
+
+
+def _json_value(value):
+    value = float(value)
+    return value if math.isfinite(value) else None
+
+
+def metric_records(epoch, metrics, runs):
+    """Per-run JSON records for one epoch from {name: array [n_runs]}."""
+    records = []
+    for index, run in enumerate(runs):
+        record = {'epoch': epoch, 'run': index, **run}
+        record.update({name: _json_value(values[index]) for name, values in metrics.items()})
+        records.append(record)
+    return records
+
+
+def write_jsonl(path, records, mode='a'):
+    with open(path, mode) as f:
+        for record in records:
+            f.write(json.dumps(record) + '\n')
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _mean_min(values):
+    values = np.asarray(values, np.float64)
+    finite = values[np.isfinite(values)]
+    if finite.size == 0:
+        return 'n/a'
+    if values.size == 1:
+        return f'{finite[0]:.1f}'
+    return f'{finite.mean():.1f} (min {finite.min():.1f})'
+
+
+def epoch_line(epoch, metrics, seconds):
+    """One human line: returns (mean, min over runs), losses, speed."""
+    parts = [f'epoch {epoch:4d}', f'steps {int(np.max(metrics["rl/n_interactions"]))}',
+             f'return {_mean_min(metrics["rl/avg_return"])}']
+    for name in metrics:
+        if name.startswith('rl/avg_return_temperature'):
+            short = name[len('rl/avg_return_'):].replace('temperature', 'T').replace('_steps', '@')
+            parts.append(f'eval {short} {_mean_min(metrics[name])}')
+    for name in ('metrics/value_loss', 'metrics/policy_loss', 'metrics/exploration_rate'):
+        if name in metrics:
+            parts.append(f'{name.split("/")[1]} {float(np.nanmean(metrics[name])):.4g}')
+    parts.append(f'{seconds:.2f}s')
+    return ' | '.join(parts)
+
+
+# ---------------------------------------------------------------------------
+# The epoch loop (Trax's Agent.run): Python only drives epochs; each phase is
+# one compiled, vmapped pure function over all runs.
+# ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Agent:
+    """An algorithm as pure per-run functions (hp = that run's hyperparameters).
+
+    init(key, hp) -> state; collect/train/evaluate(hp, state) -> (state, metrics).
+    `state.params` must hold the network parameters and `state.train_step` the
+    gradient-step counter.
+    """
+    name: str
+    init: typing.Callable
+    collect: typing.Callable
+    train: typing.Callable
+    evaluate: typing.Callable
+    eval_tags: list  # [(temperature, steps)] evaluated each epoch
+    max_steps: int  # the episode cap actually used
+
+
+# Fields that may change between a run and its resumption.
+HARMLESS_FIELDS = {'epochs', 'checkpoint_every'}
+
+
+def _fail(prog, message, status=2):
+    print(f'{prog}: error: {message}', file=sys.stderr)
+    sys.exit(status)
+
+
+def _prepare_output_dir(path, prog):
+    if os.path.exists(path) and not os.path.isdir(path):
+        _fail(prog, f'--output-dir {path} exists and is not a directory')
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as error:
+        _fail(prog, f'cannot create --output-dir {path}: {error.strerror}')
+    if not os.access(path, os.W_OK | os.X_OK):
+        _fail(prog, f'--output-dir {path} is not writable')
+
+
+def _run_sharding(n_runs, device):
+    """Sharding of the leading runs axis: one chosen device, or all of them."""
+    devices = jax.devices()
+    if device is not None:
+        if not 0 <= device < len(devices):
+            raise UsageError(f'--device {device} out of range; {len(devices)} device(s) seen')
+        return jax.sharding.SingleDeviceSharding(devices[device])
+    if len(devices) == 1 or n_runs % len(devices) != 0:
+        return jax.sharding.SingleDeviceSharding(devices[0])
+    mesh = jax.sharding.Mesh(np.array(devices), ('runs',))
+    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec('runs'))
+
+
+class _Interrupt:
+    """First Ctrl-C: finish the epoch, checkpoint, stop. Second: stop now."""
+
+    def __init__(self):
+        self.requested = False
+
+    def __enter__(self):
+        self.previous = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+        print('interrupt: finishing this epoch, then saving (Ctrl-C again to abandon it)',
+              file=sys.stderr, flush=True)
+
+    def __exit__(self, *exc):
+        signal.signal(signal.SIGINT, self.previous)
+        return False
+
+
+def _finite_floats(tree):
+    return jnp.all(jnp.asarray([jnp.all(jnp.isfinite(leaf)) for leaf in jax.tree.leaves(tree)
+                                if jnp.issubdtype(leaf.dtype, jnp.floating)] or [True]))
+
+
+def config_differences(saved, current):
+    return sorted(name for name in set(saved) | set(current)
+                  if name not in HARMLESS_FIELDS and saved.get(name) != current.get(name))
+
+
+def run_experiment(make_agent, config, grid, args, prog):
+    """Parse-independent driver: set up, resume, loop epochs, save results."""
+    try:
+        return _run_experiment(make_agent, config, grid, args, prog)
+    except UsageError as error:
+        _fail(prog, str(error))
+    except ValueError as error:  # corrupt / mismatched checkpoint, remaining_evals
+        _fail(prog, str(error), status=1)
+
+
+def _run_experiment(make_agent, config, grid, args, prog):
+    wall_start = time.time()
+    if args.num_seeds < 1:
+        raise UsageError(f'--num-seeds must be >= 1, got {args.num_seeds}')
+    runs = expand_runs(config, grid, args.seed, args.num_seeds)
+    agent = make_agent(config)  # validates the config and the env
+    hp = hyperparameters(config, runs)
+
+    output_dir = args.output_dir
+    if output_dir is None:
+        if args.only_eval:
+            raise UsageError('--only-eval needs --output-dir of a saved run')
+        stamp = datetime.datetime.now().strftime('%Y%m%d-%H%M%S')
+        output_dir = os.path.join('runs', f'{agent.name}_{config.env}_s{args.seed}_{stamp}')
+    checkpoint_path = os.path.join(output_dir, 'checkpoint.npz')
+    if args.only_eval and not os.path.isfile(checkpoint_path):
+        raise UsageError(f'--only-eval: no checkpoint at {checkpoint_path}')
+    _prepare_output_dir(output_dir, prog)
+
+    run_config = {'algorithm': agent.name, **dataclasses.asdict(config), 'grid': grid,
+                  'seed': args.seed, 'num_seeds': args.num_seeds}
+    sharding = _run_sharding(len(runs), args.device)
+    keys = jnp.stack([jax.random.PRNGKey(run['seed']) for run in runs])
+    hp = jax.device_put(hp, sharding)
+    keys = jax.device_put(keys, sharding)
+
+    compile_start = time.time()
+    init = jax.jit(jax.vmap(agent.init)).lower(keys, hp).compile()
+    state = init(keys, hp)
+    phases = {name: jax.jit(jax.vmap(getattr(agent, name))).lower(hp, state).compile()
+              for name in ('collect', 'train', 'evaluate')}
+    finite = jax.jit(_finite_floats).lower(state.params).compile()
+    compile_s = time.time() - compile_start
+
+    history, start_epoch = [], 0
+    if os.path.exists(checkpoint_path):
+        saved = read_checkpoint_metadata(checkpoint_path)
+        differing = config_differences(saved['config'], run_config)
+        if differing:
+            raise UsageError(
+                f'{output_dir} holds a run with a different config; differing: '
+                + ', '.join(f'{name} (saved {saved["config"].get(name)!r}, now '
+                            f'{run_config.get(name)!r})' for name in differing)
+                + '; use another --output-dir')
+        restored, saved = load_checkpoint(checkpoint_path, state)
+        state = jax.device_put(restored, sharding)
+        history, start_epoch = saved['history'], saved['epoch']
+        # Trax's check that the trainer is at an epoch boundary.
+        for step in np.unique(np.asarray(state.train_step)):
+            if remaining_evals(int(step), start_epoch + 1, config.train_steps_per_epoch,
+                               config.evals_per_epoch) != config.evals_per_epoch:
+                raise ValueError(f'checkpoint {checkpoint_path}: trainer step {int(step)} '
+                                 f'is not at the end of epoch {start_epoch}')
+    elif not args.only_eval:
+        atomic_write_bytes(os.path.join(output_dir, 'config.json'),
+                           json.dumps(run_config, indent=2).encode())
+
+    if args.only_eval:
+        _, metrics = phases['evaluate'](hp, state)
+        metrics = {name: np.asarray(value) for name, value in jax.device_get(metrics).items()}
+        records = metric_records(start_epoch, metrics, runs)
+        write_jsonl(os.path.join(output_dir, 'eval.jsonl'), records)
+        if not args.quiet:
+            for name, values in metrics.items():
+                print(f'epoch {start_epoch} {name}: {_mean_min(values)}')
+        return metrics
+
+    metrics_path = os.path.join(output_dir, 'metrics.jsonl')
+    # The checkpoint's history is the truth: drop lines of epochs it lacks.
+    atomic_write_bytes(metrics_path, b''.join(
+        (json.dumps(record) + '\n').encode() for record in history))
+    last = {}
+    with _Interrupt() as interrupt:
+        for epoch in range(start_epoch + 1, config.epochs + 1):
+            epoch_start = time.time()
+            state, collect_metrics = phases['collect'](hp, state)
+            jax.block_until_ready(state)
+            collect_s = time.time() - epoch_start
+            state, train_metrics = phases['train'](hp, state)
+            jax.block_until_ready(state)
+            train_s = time.time() - epoch_start - collect_s
+            state, eval_metrics = phases['evaluate'](hp, state)
+            metrics = {**collect_metrics, **train_metrics, **eval_metrics}
+            metrics = {name: np.asarray(value) for name, value in jax.device_get(metrics).items()}
+            metrics['epoch'] = np.full(len(runs), epoch)
+            new_steps = metrics.pop('rl/new_interactions')
+            metrics['rl/n_interactions_per_second'] = new_steps / max(collect_s, 1e-9)
+            metrics['timing/collect'] = np.full(len(runs), collect_s)
+            metrics['timing/train'] = np.full(len(runs), train_s)
+            bad = [name for name, values in metrics.items()
+                   if name.startswith('metrics/') and not np.all(np.isfinite(values))]
+            if bad or not bool(finite(state.params)):
+                what = ', '.join(bad) if bad else 'network parameters'
+                _fail(prog, f'non-finite {what} in epoch {epoch}; stopped, the checkpoint '
+                            f'of epoch {epoch - 1} in {output_dir} is kept', status=1)
+            records = metric_records(epoch, metrics, runs)
+            history.extend(records)
+            if epoch % config.checkpoint_every == 0 or epoch == config.epochs \
+                    or interrupt.requested:
+                save_checkpoint(checkpoint_path, state,
+                                {'config': run_config, 'epoch': epoch, 'history': history})
+            write_jsonl(metrics_path, records)
+            last = metrics
+            if not args.quiet:
+                print(epoch_line(epoch, metrics, time.time() - epoch_start), flush=True)
+            if interrupt.requested:
+                print(f'interrupted after epoch {epoch}; rerun with --output-dir '
+                      f'{output_dir} to resume', file=sys.stderr)
+                sys.exit(130)
+
+    summary = _summary(agent, config, runs, history, wall_start, compile_s)
+    atomic_write_bytes(os.path.join(output_dir, 'summary.json'),
+                       json.dumps(summary, indent=2).encode())
+    if args.plot:
+        plot_learning_curves(history, agent, config.env, os.path.join(output_dir, 'learning_curve.png'))
+    if not args.quiet:
+        finals = summary['final_eval_return']
+        print(f'done: {len(runs)} run(s), final greedy return {_mean_min(finals)}, '
+              f'wall {summary["wall_s"]:.1f}s (compile {compile_s:.1f}s), '
+              f'results in {output_dir}')
+    return last
+
+
+def eval_key(temperature, steps):
+    """Trax's summary tag for an evaluation figure."""
+    return f'rl/avg_return_temperature{temperature:.2f}_steps{steps}'
+
+
+def _summary(agent, config, runs, history, wall_start, compile_s):
+    final_epoch = max((record['epoch'] for record in history), default=0)
+    final = sorted((r for r in history if r['epoch'] == final_epoch), key=lambda r: r['run'])
+    key = eval_key(0.0, agent.max_steps)
+    return {
+        'algorithm': agent.name,
+        'env': config.env,
+        'seeds': [run['seed'] for run in runs],
+        'runs': runs,
+        'epochs': final_epoch,
+        'env_steps_per_seed': [r.get('rl/n_interactions') for r in final],
+        'final_eval_return': [r.get(key) for r in final],
+        'final_eval_key': key,
+        'wall_s': time.time() - wall_start,
+        'compile_s': compile_s,
+    }
+
+
+def plot_learning_curves(history, agent, env_name, path):
+    """Greedy and training return vs env steps: mean line, min-max band over runs."""
+    import matplotlib
+    matplotlib.use('Agg')
+    import matplotlib.pyplot as plt
+
+    epochs = sorted({record['epoch'] for record in history})
+    n_runs = max(record['run'] for record in history) + 1
+    def table(name):
+        values = np.full((len(epochs), n_runs), np.nan)
+        for record in history:
+            value = record.get(name)
+            values[epochs.index(record['epoch']), record['run']] = np.nan if value is None else value
+        return values
+    steps = np.nanmean(table('rl/n_interactions'), axis=1)
+    figure, axis = plt.subplots(figsize=(7, 4))
+    names = [('rl/avg_return', 'training return')]
+    names += [(eval_key(t, h), f'greedy return (T={t:g}, {h} steps)' if t == 0 else
+               f'eval return (T={t:g}, {h} steps)')
+              for t, h in agent.eval_tags]
+    for name, label in names:
+        values = table(name)
+        if np.all(np.isnan(values)):
+            continue
+        with np.errstate(all='ignore'), __import__('warnings').catch_warnings():
+            __import__('warnings').simplefilter('ignore')
+            axis.plot(steps, np.nanmean(values, axis=1), label=label)
+            axis.fill_between(steps, np.nanmin(values, axis=1), np.nanmax(values, axis=1),
+                              alpha=0.2)
+    axis.set_xlabel('env steps per run')
+    axis.set_ylabel('return')
+    axis.set_title(f'{env_name}: {n_runs} run(s), mean and min-max band')
+    axis.legend(loc='lower right')
+    figure.tight_layout()
+    tmp = path + '.tmp.png'
+    figure.savefig(tmp, dpi=100)
+    plt.close(figure)
+    os.replace(tmp, path)

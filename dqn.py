@@ -1,0 +1,454 @@
+"""DQN after Trax's `ValueAgent` + `DQN` (trax/rl/training.py), in pure JAX.
+
+One epoch = collect (epsilon-greedy, gymnax envs) -> train (n-step double-DQN
+targets from a replay of the last epochs) -> greedy evaluation. Each phase is a
+pure function of the state pytree, vmapped over runs (seeds x hyperparameter
+grid) and compiled once; Python only loops over epochs.
+
+Fixed relative to Trax (SPEC §5): terminal and truncated transitions are
+regression targets; n-step sums stop at termination; time-limit truncation
+bootstraps from the true final observation instead of being treated as a
+terminal; `n_replay_epochs` really keeps that many epochs; the target network
+is synced exactly every `sync_freq` gradient steps.
+
+    python dqn.py --seed 0                 # CartPole-v1, greedy return 500
+    python dqn.py --num-seeds 8            # 8 seeds in one vmapped program
+    python dqn.py --lr 1e-3,3e-4 --num-seeds 4   # a 2-point grid x 4 seeds
+"""
+
+import dataclasses
+import sys
+from typing import NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+import optax
+
+import common
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    env: str = common.option('CartPole-v1', 'gymnax env with a Discrete action space')
+    epochs: int = common.option(40, 'total epochs of collect -> train -> evaluate')
+    n_envs: int = common.option(16, 'parallel envs per run (n_interactions mode)')
+    n_interactions_per_epoch: Optional[int] = common.option(
+        512, 'env steps collected per epoch and run; episodes carry over epochs')
+    n_trajectories_per_epoch: Optional[int] = common.option(
+        None, 'instead: this many complete fresh episodes per epoch (set the other to none)')
+    max_steps: Optional[int] = common.option(None, 'episode cap (default: the env\'s limit)')
+    train_steps_per_epoch: int = common.option(
+        256, 'gradient steps per epoch (Trax value_train_steps_per_epoch: 500)')
+    evals_per_epoch: int = common.option(1, 'trainer metric chunks per epoch (reporting only)')
+    batch_size: int = common.option(128, 'transitions per gradient step (Trax: 64)')
+    lr: float = common.option(1e-3, 'Adam learning rate: the schedule\'s constant', sweep=True)
+    lr_schedule: str = common.option(
+        'constant * linear_decay',
+        'multifactor factors: constant, linear_warmup, rsqrt_decay, decay_every, '
+        'linear_decay (to 0 at the last step); Trax: constant * linear_warmup * rsqrt_decay')
+    warmup_steps: int = common.option(400, 'linear_warmup / rsqrt_decay steps')
+    gamma: float = common.option(0.99, 'discount factor in (0, 1]', sweep=True)
+    max_slice_length: int = common.option(
+        2, 'Trax slice length L >= 2: targets are (L-1)-step returns')
+    double_dqn: bool = common.option(True, 'pick a* by the online net (Trax default: off)')
+    smoothl1loss: bool = common.option(True, 'Huber (delta 1) loss; off: L2')
+    scale_value_targets: bool = common.option(
+        True, 'the net predicts Q * (1 - gamma) (Trax\'s target scaling)')
+    sync_freq: int = common.option(
+        500, 'gradient steps between target-net syncs (Trax: 1000)', sweep=True)
+    n_replay_epochs: int = common.option(
+        40, 'replay holds the transitions of this many last epochs (Trax: 1)')
+    exploration_constant: float = common.option(1.0, 'epsilon at epoch 0', sweep=True)
+    exploration_decay_factor: float = common.option(
+        0.85, 'epsilon *= this every steps_per_decay epochs (Trax: 0.99)', sweep=True)
+    exploration_steps_per_decay: int = common.option(1, 'epochs per epsilon decay')
+    exploration_minimum: float = common.option(
+        0.05, 'epsilon floor (Trax: 0.1)', sweep=True)
+    hidden_sizes: tuple[int, ...] = common.option((64, 64), 'Q-network hidden layer sizes')
+    n_eval_episodes: int = common.option(32, 'episodes per evaluation (0: no evaluation)')
+    eval_steps: Optional[tuple[int, ...]] = common.option(
+        None, 'evaluation horizons, e.g. 200,500 (default: max_steps)')
+    eval_temperatures: tuple[float, ...] = common.option(
+        (0.0,), 'evaluation temperatures: 0 greedy, 1 epsilon-greedy, else softmax(Q/T)')
+    checkpoint_every: int = common.option(1, 'epochs between checkpoints (and the last)')
+
+
+class Replay(NamedTuple):
+    """Ring of `n_replay_epochs` blocks, one per epoch; `count` valid rows each.
+
+    A row is an n-step transition: obs, action, the discounted reward sum up to
+    the bootstrap point, the observation to bootstrap from and its discount
+    (gamma^k, 0 if the episode terminated inside the window).
+    """
+    obs: jax.Array
+    action: jax.Array
+    reward_sum: jax.Array
+    bootstrap_obs: jax.Array
+    bootstrap_discount: jax.Array
+    count: jax.Array
+
+
+class State(NamedTuple):
+    params: list
+    target_params: list
+    opt_state: tuple
+    replay: Replay
+    env_state: object
+    obs: jax.Array
+    episode_return: jax.Array  # running undiscounted return of each env
+    key: jax.Array
+    epoch: jax.Array  # completed epochs
+    train_step: jax.Array
+    n_interactions: jax.Array
+    n_trajectories: jax.Array
+
+
+# ---------------------------------------------------------------------------
+# Pure pieces, importable and tested on their own.
+# ---------------------------------------------------------------------------
+
+
+def exploration_rate(epoch, constant, decay_factor, steps_per_decay, minimum):
+    """Trax: max(minimum, constant * decay_factor ** (epoch // steps_per_decay))."""
+    return jnp.maximum(minimum, constant * decay_factor ** (epoch // steps_per_decay))
+
+
+def n_step_transitions(reward, terminated, done, next_obs, gamma, n):
+    """n-step windows over time-major [T, ...] arrays of one env.
+
+    From each step t sum up to n discounted rewards, stopping after the step
+    that ends the episode and at the end of the block (a shorter window is
+    still a correct target). Bootstrap from the next observation of the last
+    step taken; its discount is 0 only if that step terminated, so time-limit
+    truncation bootstraps from the true final observation.
+    Returns (reward_sum, bootstrap_obs, bootstrap_discount), each [T, ...].
+    """
+    steps = reward.shape[0]
+    reward_sum = jnp.zeros_like(reward)
+    discount = jnp.ones_like(reward)
+    bootstrap_obs = next_obs
+    bootstrap_terminated = terminated
+    window_open = jnp.ones(steps, bool)
+    for i in range(n):
+        index = jnp.minimum(jnp.arange(steps) + i, steps - 1)
+        take = window_open & (jnp.arange(steps) + i < steps)
+        reward_sum = reward_sum + jnp.where(take, discount * reward[index], 0.0)
+        discount = jnp.where(take, discount * gamma, discount)
+        expand = take.reshape((steps,) + (1,) * (next_obs.ndim - 1))
+        bootstrap_obs = jnp.where(expand, next_obs[index], bootstrap_obs)
+        bootstrap_terminated = jnp.where(take, terminated[index], bootstrap_terminated)
+        window_open = take & ~done[index]
+    return reward_sum, bootstrap_obs, discount * (1.0 - bootstrap_terminated)
+
+
+def td_targets(q_target_next, q_online_next, reward_sum, bootstrap_discount, double_dqn):
+    """y = R + discount * Q_tgt(s', a*), a* = argmax of Q_online (double) or Q_tgt."""
+    chooser = q_online_next if double_dqn else q_target_next
+    best = jnp.argmax(chooser, axis=-1)
+    bootstrap = jnp.take_along_axis(q_target_next, best[..., None], axis=-1)[..., 0]
+    return reward_sum + bootstrap_discount * bootstrap
+
+
+def value_loss(predicted, target, smoothl1loss):
+    """Huber (delta 1) or L2 between predicted Q(s, a) and the fixed target."""
+    error = predicted - jax.lax.stop_gradient(target)
+    if smoothl1loss:
+        return jnp.mean(optax.huber_loss(error, delta=1.0))
+    return jnp.mean(0.5 * error ** 2)
+
+
+def sample_indices(key, count, batch_size):
+    """Uniform (block, row) pairs over the valid rows of every replay block."""
+    ends = jnp.cumsum(count)
+    flat = jax.random.randint(key, (batch_size,), 0, ends[-1])
+    block = jnp.searchsorted(ends, flat, side='right')
+    return block, flat - (ends - count)[block]
+
+
+# ---------------------------------------------------------------------------
+# The agent: networks, collect, train, evaluate.
+# ---------------------------------------------------------------------------
+
+
+def make_agent(config: Config) -> common.Agent:
+    """Validate `config` and build the per-run pure functions of DQN."""
+    check_config(config)
+    env, env_params = common.make_env(config.env, config.max_steps)
+    if common.space_kind(env.action_space(env_params)) != 'discrete':
+        raise common.UsageError(f'{config.env} has a continuous (Box) action space; DQN '
+                                'needs Discrete actions: use pg.py for this env')
+    n_actions = env.action_space(env_params).n
+    max_steps = common.env_max_steps(env_params)
+    eval_tags = [(t, h) for t in config.eval_temperatures
+                 for h in (config.eval_steps or (max_steps,))]
+    obs_shape = env.observation_space(env_params).shape
+    obs_size = common.flat_obs_size(env, env_params)
+    n_step = config.max_slice_length - 1
+    if config.n_trajectories_per_epoch:
+        n_envs, steps = config.n_trajectories_per_epoch, max_steps
+    else:
+        n_envs = config.n_envs
+        steps = config.n_interactions_per_epoch // config.n_envs
+    block_size = n_envs * steps
+    chunk_steps = config.train_steps_per_epoch // config.evals_per_epoch
+    total_train_steps = config.epochs * config.train_steps_per_epoch
+
+    def value_scale(hp):
+        """Network output * scale = Q (Trax's scale_value_targets)."""
+        return 1.0 / (1.0 - hp['gamma']) if config.scale_value_targets else 1.0
+
+    def q_values(params, obs, hp):
+        obs = obs.reshape(obs.shape[:obs.ndim - len(obs_shape)] + (obs_size,))
+        return common.mlp(params, obs.astype(jnp.float32)) * value_scale(hp)
+
+    def optimizer(hp):
+        schedule = common.multifactor(config.lr_schedule, constant=hp['lr'],
+                                      warmup_steps=config.warmup_steps,
+                                      total_steps=total_train_steps)
+        return optax.chain(optax.scale_by_adam(), optax.scale_by_schedule(lambda s: -schedule(s)))
+
+    def epsilon(hp, epoch):
+        return exploration_rate(epoch, hp['exploration_constant'],
+                                hp['exploration_decay_factor'],
+                                config.exploration_steps_per_decay, hp['exploration_minimum'])
+
+    def act(key, params, obs, hp, temperature, eps):
+        """temperature 1: epsilon-greedy; 0: greedy; else softmax(Q / T)."""
+        q = q_values(params, obs, hp)
+        greedy = jnp.argmax(q, axis=-1)
+        if temperature == 0.0:
+            return greedy
+        explore_key, action_key = jax.random.split(key)
+        if temperature == 1.0:
+            random_action = jax.random.randint(action_key, greedy.shape, 0, n_actions)
+            explore = jax.random.uniform(explore_key, greedy.shape) < eps
+            return jnp.where(explore, random_action, greedy)
+        return jax.random.categorical(action_key, q / temperature)
+
+    def env_step(keys, env_state, action):
+        return jax.vmap(env.step, in_axes=(0, 0, 0, None))(keys, env_state, action, env_params)
+
+    def env_reset(key, count):
+        return jax.vmap(env.reset, in_axes=(0, None))(jax.random.split(key, count), env_params)
+
+    def init(key, hp):
+        net_key, env_key, key = jax.random.split(key, 3)
+        params = common.init_mlp(
+            net_key, [obs_size, *config.hidden_sizes, n_actions])
+        obs, env_state = env_reset(env_key, n_envs)
+        obs_dtype = obs.dtype
+        replay = Replay(
+            obs=jnp.zeros((config.n_replay_epochs, block_size) + obs_shape, obs_dtype),
+            action=jnp.zeros((config.n_replay_epochs, block_size), jnp.int32),
+            reward_sum=jnp.zeros((config.n_replay_epochs, block_size)),
+            bootstrap_obs=jnp.zeros((config.n_replay_epochs, block_size) + obs_shape, obs_dtype),
+            bootstrap_discount=jnp.zeros((config.n_replay_epochs, block_size)),
+            count=jnp.zeros((config.n_replay_epochs,), jnp.int32))
+        zero = jnp.zeros((), jnp.int32)
+        return State(params=params, target_params=params, opt_state=optimizer(hp).init(params),
+                     replay=replay, env_state=env_state, obs=obs,
+                     episode_return=jnp.zeros(n_envs), key=key, epoch=zero, train_step=zero,
+                     n_interactions=zero, n_trajectories=zero)
+
+    def collect(hp, state):
+        """One epoch of epsilon-greedy experience into the replay ring."""
+        epoch = state.epoch + 1  # Trax's epochs are 1-based
+        eps = epsilon(hp, epoch)
+        key, reset_key, rollout_key = jax.random.split(state.key, 3)
+        fresh_episodes = bool(config.n_trajectories_per_epoch)
+        if fresh_episodes:
+            obs, env_state = env_reset(reset_key, n_envs)
+            episode_return = jnp.zeros(n_envs)
+        else:
+            obs, env_state, episode_return = state.obs, state.env_state, state.episode_return
+
+        def step(carry, step_key):
+            obs, env_state, episode_return, active = carry
+            act_key, env_key = jax.random.split(step_key)
+            action = act(act_key, state.params, obs, hp, 1.0, eps)
+            next_obs, env_state, reward, terminated, truncated, info = env_step(
+                jax.random.split(env_key, n_envs), env_state, action)
+            done = terminated | truncated
+            episode_return = episode_return + reward
+            finished = done & active
+            transition = dict(obs=obs, action=action, reward=reward.astype(jnp.float32),
+                              terminated=terminated, done=done,
+                              final_obs=info['final_observation'], valid=active,
+                              finished=finished, finished_return=jnp.where(finished, episode_return, 0.0))
+            episode_return = jnp.where(done, 0.0, episode_return)
+            if fresh_episodes:  # each env plays exactly one episode
+                active = active & ~done
+            return (next_obs, env_state, episode_return, active), transition
+
+        carry = (obs, env_state, episode_return, jnp.ones(n_envs, bool))
+        (obs, env_state, episode_return, _), rollout = jax.lax.scan(
+            step, carry, jax.random.split(rollout_key, steps))
+        # n-step windows per env, over the time axis.
+        reward_sum, bootstrap_obs, bootstrap_discount = jax.vmap(
+            n_step_transitions, in_axes=(1, 1, 1, 1, None, None), out_axes=1)(
+            rollout['reward'], rollout['terminated'], rollout['done'], rollout['final_obs'],
+            hp['gamma'], n_step)
+        rows = dict(obs=rollout['obs'], action=rollout['action'], reward_sum=reward_sum,
+                    bootstrap_obs=bootstrap_obs, bootstrap_discount=bootstrap_discount)
+        rows = {name: value.reshape((block_size,) + value.shape[2:]) for name, value in rows.items()}
+        valid = rollout['valid'].reshape(block_size)
+        if fresh_episodes:  # move the valid rows to the front of the block
+            order = jnp.argsort(~valid, stable=True)
+            rows = {name: value[order] for name, value in rows.items()}
+        slot = state.epoch % config.n_replay_epochs
+        replay = Replay(**{name: getattr(state.replay, name).at[slot].set(rows[name])
+                           for name in rows},
+                        count=state.replay.count.at[slot].set(valid.sum()))
+
+        n_finished = rollout['finished'].sum()
+        new_interactions = valid.sum()
+        metrics = {
+            'rl/avg_return': jnp.where(n_finished > 0, rollout['finished_return'].sum()
+                                       / jnp.maximum(n_finished, 1), jnp.nan),
+            'rl/n_interactions': state.n_interactions + new_interactions,
+            'rl/n_trajectories': state.n_trajectories + n_finished,
+            'rl/new_interactions': new_interactions,
+            'metrics/exploration_rate': eps,
+        }
+        state = state._replace(replay=replay, env_state=env_state, obs=obs,
+                               episode_return=episode_return, key=key,
+                               n_interactions=state.n_interactions + new_interactions,
+                               n_trajectories=state.n_trajectories + n_finished)
+        return state, metrics
+
+    def loss_fn(params, target_params, batch, hp):
+        q_next_target = q_values(target_params, batch['bootstrap_obs'], hp)
+        q_next_online = q_values(params, batch['bootstrap_obs'], hp) if config.double_dqn \
+            else q_next_target
+        target = td_targets(q_next_target, q_next_online, batch['reward_sum'],
+                            batch['bootstrap_discount'], config.double_dqn)
+        # The loss sees values in network units: Q / scale.
+        q = q_values(params, batch['obs'], hp)
+        q_taken = jnp.take_along_axis(q, batch['action'][:, None], axis=-1)[:, 0]
+        scale = value_scale(hp)
+        loss = value_loss(q_taken / scale, target / scale, config.smoothl1loss)
+        return loss, {'metrics/value_loss': loss, 'metrics/value_mean': q_taken.mean(),
+                      'metrics/returns_mean': target.mean()}
+
+    def train_step(hp, state, key):
+        block, row = sample_indices(key, state.replay.count, config.batch_size)
+        replay = state.replay
+        batch = {name: getattr(replay, name)[block, row]
+                 for name in ('obs', 'action', 'reward_sum', 'bootstrap_obs', 'bootstrap_discount')}
+        grads, metrics = jax.grad(loss_fn, has_aux=True)(
+            state.params, state.target_params, batch, hp)
+        updates, opt_state = optimizer(hp).update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        step = state.train_step + 1
+        sync = step % hp['sync_freq'].astype(jnp.int32) == 0
+        target_params = jax.tree.map(lambda new, old: jnp.where(sync, new, old),
+                                     params, state.target_params)
+        return state._replace(params=params, opt_state=opt_state,
+                              target_params=target_params, train_step=step), metrics
+
+    def train(hp, state):
+        """train_steps_per_epoch gradient steps, in evals_per_epoch chunks."""
+        key, train_key = jax.random.split(state.key)
+        state = state._replace(key=key)
+
+        def chunk(state, chunk_key):
+            state, metrics = jax.lax.scan(lambda s, k: train_step(hp, s, k), state,
+                                          jax.random.split(chunk_key, chunk_steps))
+            return state, jax.tree.map(jnp.mean, metrics)
+
+        state, metrics = jax.lax.scan(chunk, state,
+                                      jax.random.split(train_key, config.evals_per_epoch))
+        state = state._replace(epoch=state.epoch + 1)
+        return state, jax.tree.map(lambda m: m[-1], metrics)  # the last chunk, as Trax logs
+
+    def evaluate(hp, state):
+        """Fresh episodes for each (temperature, horizon); never enter the replay."""
+        key, eval_key = jax.random.split(state.key)
+        metrics = {}
+        if config.n_eval_episodes == 0:
+            return state._replace(key=key), metrics
+        eps = epsilon(hp, state.epoch)
+        for tag_key, (temperature, horizon) in zip(jax.random.split(eval_key, len(eval_tags)),
+                                                   eval_tags):
+            reset_key, rollout_key = jax.random.split(tag_key)
+            obs, env_state = env_reset(reset_key, config.n_eval_episodes)
+
+            def step(carry, step_key, temperature=temperature):
+                obs, env_state, total, active = carry
+                act_key, env_key = jax.random.split(step_key)
+                action = act(act_key, state.params, obs, hp, temperature, eps)
+                obs, env_state, reward, terminated, truncated, _ = env_step(
+                    jax.random.split(env_key, config.n_eval_episodes), env_state, action)
+                total = total + jnp.where(active, reward, 0.0)
+                return (obs, env_state, total, active & ~(terminated | truncated)), None
+
+            carry = (obs, env_state, jnp.zeros(config.n_eval_episodes),
+                     jnp.ones(config.n_eval_episodes, bool))
+            (_, _, total, _), _ = jax.lax.scan(step, carry, jax.random.split(rollout_key, horizon))
+            metrics[common.eval_key(temperature, horizon)] = total.mean()
+        return state._replace(key=key), metrics
+
+    return common.Agent(name='dqn', init=init, collect=collect, train=train, evaluate=evaluate,
+                        eval_tags=eval_tags, max_steps=max_steps)
+
+
+def check_config(config: Config):
+    """Reject contradictory or out-of-range settings with a one-line reason."""
+    error = common.UsageError
+    if (config.n_trajectories_per_epoch is None) == (config.n_interactions_per_epoch is None):
+        raise error('exactly one of --n-trajectories-per-epoch or --n-interactions-per-epoch '
+                    'must be set (the other to none)')
+    positive = ['epochs', 'n_envs', 'train_steps_per_epoch', 'evals_per_epoch', 'batch_size',
+                'n_replay_epochs', 'exploration_steps_per_decay', 'checkpoint_every',
+                'warmup_steps', 'sync_freq']
+    positive += [name for name in ('n_trajectories_per_epoch', 'n_interactions_per_epoch',
+                                   'max_steps') if getattr(config, name) is not None]
+    for name in positive:
+        if getattr(config, name) < 1:
+            raise error(f'--{name.replace("_", "-")} must be >= 1, got {getattr(config, name)}')
+    if config.n_eval_episodes < 0:
+        raise error(f'--n-eval-episodes must be >= 0, got {config.n_eval_episodes}')
+    if config.n_interactions_per_epoch and config.n_interactions_per_epoch % config.n_envs:
+        raise error(f'--n-interactions-per-epoch ({config.n_interactions_per_epoch}) must be a '
+                    f'multiple of --n-envs ({config.n_envs})')
+    if config.train_steps_per_epoch % config.evals_per_epoch:
+        raise error(f'--train-steps-per-epoch ({config.train_steps_per_epoch}) must be '
+                    f'divisible by --evals-per-epoch ({config.evals_per_epoch})')
+    if config.max_slice_length < 2:
+        raise error(f'--max-slice-length must be >= 2 (n-step = L - 1), got '
+                    f'{config.max_slice_length}; Trax\'s L = 1 trains on empty batches')
+    if any(h < 1 for h in config.eval_steps or ()):
+        raise error(f'--eval-steps entries must be >= 1, got {list(config.eval_steps)}')
+    if any(t < 0 for t in config.eval_temperatures):
+        raise error(f'--eval-temperatures must be >= 0, got {list(config.eval_temperatures)}')
+    common.multifactor(config.lr_schedule)  # validates the factor names
+
+
+def check_hyperparameters(config, runs):
+    """Range checks on every value of a (possibly swept) hyperparameter."""
+    for run in runs:
+        if not 0 < run['gamma'] <= 1:
+            raise common.UsageError(f'--gamma must be in (0, 1], got {run["gamma"]}')
+        if run['gamma'] == 1 and config.scale_value_targets:
+            raise common.UsageError('--gamma 1 needs --no-scale-value-targets (scale 1/(1-gamma))')
+        if run['lr'] <= 0:
+            raise common.UsageError(f'--lr must be > 0, got {run["lr"]}')
+        if run['sync_freq'] < 1 or run['sync_freq'] != int(run['sync_freq']):
+            raise common.UsageError(f'--sync-freq must be a positive integer, got {run["sync_freq"]}')
+        if not 0 <= run['exploration_minimum'] <= 1 or run['exploration_constant'] < 0:
+            raise common.UsageError('exploration rates must lie in [0, 1]')
+
+
+def main(argv=None):
+    parser = common.build_parser(Config, 'dqn.py', __doc__.split('\n\n')[0])
+    args = parser.parse_args(argv)
+    config, grid = common.config_and_grid(Config, args)
+    try:
+        check_hyperparameters(config, common.expand_runs(config, grid, args.seed, 1))
+    except common.UsageError as error:
+        parser.error(str(error))
+    return common.run_experiment(make_agent, config, grid, args, 'dqn.py')
+
+
+if __name__ == '__main__':
+    sys.exit(0 if main() is not None else 1)
