@@ -210,12 +210,18 @@ def env_max_steps(env_params):
 
 
 def init_mlp(key, sizes, last_scale=1.0):
-    """[{'w', 'b'}] for layer sizes [in, hidden..., out]; orthogonal init."""
+    """[{'w', 'b'}] for layer sizes [in, hidden..., out].
+
+    Glorot-uniform weights (Trax's Dense default) and zero biases; the last
+    layer's weights are multiplied by `last_scale` (small for policy heads).
+    """
     params = []
     keys = jax.random.split(key, len(sizes) - 1)
     for i, (key_i, fan_in, fan_out) in enumerate(zip(keys, sizes[:-1], sizes[1:])):
-        scale = last_scale if i == len(sizes) - 2 else math.sqrt(2.0)
-        weights = jax.nn.initializers.orthogonal(scale)(key_i, (fan_in, fan_out))
+        limit = math.sqrt(6.0 / (fan_in + fan_out))
+        weights = jax.random.uniform(key_i, (fan_in, fan_out), minval=-limit, maxval=limit)
+        if i == len(sizes) - 2:
+            weights = weights * last_scale
         params.append({'w': weights, 'b': jnp.zeros((fan_out,))})
     return params
 
@@ -454,8 +460,8 @@ def _read_checkpoint(path):
             leaves = [data[f'leaf_{i:05d}'] for i in range(len(header['paths']))]
     except FileNotFoundError:
         raise ValueError(f'checkpoint {path} does not exist') from None
-    except (OSError, KeyError, ValueError, EOFError, zipfile.BadZipFile,
-            UnicodeDecodeError) as error:
+    except (OSError, KeyError, ValueError, EOFError, zipfile.BadZipFile, UnicodeDecodeError,
+            NotImplementedError, RuntimeError) as error:  # zipfile raises all of these
         raise ValueError(f'checkpoint {path} is corrupt or truncated '
                          f'({type(error).__name__}: {error})') from None
     return header, leaves
@@ -715,7 +721,6 @@ def _run_experiment(make_agent, config, grid, args, prog):
             state, eval_metrics = phases['evaluate'](hp, state)
             metrics = {**collect_metrics, **train_metrics, **eval_metrics}
             metrics = {name: np.asarray(value) for name, value in jax.device_get(metrics).items()}
-            metrics['epoch'] = np.full(len(runs), epoch)
             new_steps = metrics.pop('rl/new_interactions')
             metrics['rl/n_interactions_per_second'] = new_steps / max(collect_s, 1e-9)
             metrics['timing/collect'] = np.full(len(runs), collect_s)

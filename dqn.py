@@ -38,10 +38,11 @@ class Config:
         None, 'instead: this many complete fresh episodes per epoch (set the other to none)')
     max_steps: Optional[int] = common.option(None, 'episode cap (default: the env\'s limit)')
     train_steps_per_epoch: int = common.option(
-        256, 'gradient steps per epoch (Trax value_train_steps_per_epoch: 500)')
+        128, 'gradient steps per epoch (Trax value_train_steps_per_epoch: 500)')
     evals_per_epoch: int = common.option(1, 'trainer metric chunks per epoch (reporting only)')
-    batch_size: int = common.option(128, 'transitions per gradient step (Trax: 64)')
-    lr: float = common.option(1e-3, 'Adam learning rate: the schedule\'s constant', sweep=True)
+    batch_size: int = common.option(64, 'transitions per gradient step (Trax value_batch_size: 64)')
+    lr: float = common.option(
+        1e-2, 'Adam learning rate, the schedule\'s constant (Trax: 0.1 * multifactor)', sweep=True)
     lr_schedule: str = common.option(
         'constant * linear_decay',
         'multifactor factors: constant, linear_warmup, rsqrt_decay, decay_every, '
@@ -49,18 +50,18 @@ class Config:
     warmup_steps: int = common.option(400, 'linear_warmup / rsqrt_decay steps')
     gamma: float = common.option(0.99, 'discount factor in (0, 1]', sweep=True)
     max_slice_length: int = common.option(
-        2, 'Trax slice length L >= 2: targets are (L-1)-step returns')
+        4, 'Trax slice length L >= 2: targets are (L-1)-step returns (Trax: 1, broken)')
     double_dqn: bool = common.option(True, 'pick a* by the online net (Trax default: off)')
     smoothl1loss: bool = common.option(True, 'Huber (delta 1) loss; off: L2')
     scale_value_targets: bool = common.option(
         True, 'the net predicts Q * (1 - gamma) (Trax\'s target scaling)')
     sync_freq: int = common.option(
-        500, 'gradient steps between target-net syncs (Trax: 1000)', sweep=True)
+        25, 'gradient steps between target-net syncs (Trax: 1000)', sweep=True)
     n_replay_epochs: int = common.option(
         40, 'replay holds the transitions of this many last epochs (Trax: 1)')
     exploration_constant: float = common.option(1.0, 'epsilon at epoch 0', sweep=True)
     exploration_decay_factor: float = common.option(
-        0.85, 'epsilon *= this every steps_per_decay epochs (Trax: 0.99)', sweep=True)
+        0.9, 'epsilon *= this every steps_per_decay epochs (Trax: 0.99)', sweep=True)
     exploration_steps_per_decay: int = common.option(1, 'epochs per epsilon decay')
     exploration_minimum: float = common.option(
         0.05, 'epsilon floor (Trax: 0.1)', sweep=True)

@@ -1,0 +1,538 @@
+"""Policy gradient (REINFORCE) after Trax's `PolicyGradient` (trax/rl/training.py), in pure JAX.
+
+One epoch = collect (temperature 1, gymnax envs) -> train (Monte-Carlo returns
+minus the batch's mean return, Trax's `_value_fn`; optional advantage
+normalisation) -> evaluation at each (temperature, horizon). Each phase is a
+pure function of the state pytree, vmapped over runs (seeds x hyperparameter
+grid) and compiled once; Python only loops over epochs. Categorical policy for
+Discrete action spaces, Gaussian with a learned state-independent log-std for
+Box ones.
+
+Differs from Trax (SPEC §4), each on purpose: the default batch is every step
+collected this epoch (`--batch-size 0`) and a few gradient steps per epoch;
+`--batch-size 64 --train-steps-per-epoch 1` is Trax's sampled batch of
+length-1 slices with one step per epoch. The learning rate decays linearly to
+0 (Trax: `constant * linear_warmup * rsqrt_decay`, kept as `--lr-schedule`).
+
+    python pg.py --seed 0                 # CartPole-v1, greedy return 500
+    python pg.py --num-seeds 8            # 8 seeds in one vmapped program
+    python pg.py --env Pendulum-v1 --lr 3e-3,1e-2 --num-seeds 4   # a grid x seeds
+"""
+
+import dataclasses
+import math
+import sys
+from typing import NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import common
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    env: str = common.option('CartPole-v1', 'gymnax env (Discrete or Box action space)')
+    epochs: int = common.option(40, 'total epochs of collect -> train -> evaluate')
+    n_envs: int = common.option(16, 'parallel envs per run (n_interactions mode)')
+    n_interactions_per_epoch: Optional[int] = common.option(
+        None, 'instead: env steps per epoch and run; episodes carry over epochs and an '
+        'unfinished episode\'s steps wait for the epoch in which it ends')
+    n_trajectories_per_epoch: Optional[int] = common.option(
+        32, 'complete fresh episodes per epoch and run (Trax CartPole test: 2)')
+    max_steps: Optional[int] = common.option(None, 'episode cap (default: the env\'s limit)')
+    train_steps_per_epoch: int = common.option(
+        4, 'gradient steps per epoch on this epoch\'s data (Trax: 1)')
+    evals_per_epoch: int = common.option(1, 'trainer metric chunks per epoch (reporting only)')
+    batch_size: int = common.option(
+        0, '0: every collected step is the batch; B > 0: Trax\'s B length-1 slices per '
+        'step, each from a uniform trajectory, then a uniform step in it (Trax: 64)')
+    lr: float = common.option(1e-2, 'Adam learning rate: the schedule\'s constant', sweep=True)
+    lr_schedule: str = common.option(
+        'constant * linear_decay',
+        'multifactor factors: constant, linear_warmup, rsqrt_decay, decay_every, '
+        'linear_decay (to 0 at the last step); Trax: constant * linear_warmup * rsqrt_decay')
+    warmup_steps: int = common.option(400, 'linear_warmup / rsqrt_decay steps')
+    gamma: float = common.option(0.99, 'discount factor in (0, 1]', sweep=True)
+    normalize_advantages: bool = common.option(
+        True, 'A <- (A - mean A) / (std A + 1e-5) over the batch (Trax: on)')
+    entropy_coefficient: float = common.option(
+        0.0, 'loss -= this * mean policy entropy (Trax: none, i.e. 0)', sweep=True)
+    hidden_sizes: tuple[int, ...] = common.option((64, 64), 'policy MLP hidden layer sizes')
+    init_log_std: float = common.option(
+        0.0, 'Box actions: initial log std, in units of half the Box\'s width', sweep=True)
+    n_eval_episodes: int = common.option(32, 'episodes per evaluation (0: no evaluation)')
+    eval_steps: Optional[tuple[int, ...]] = common.option(
+        None, 'evaluation horizons, e.g. 200,500 (default: max_steps)')
+    eval_temperatures: tuple[float, ...] = common.option(
+        (0.0,), 'evaluation temperatures: 0 argmax / Gaussian mean, T samples logits / T '
+        'or std * T')
+    checkpoint_every: int = common.option(1, 'epochs between checkpoints (and the last)')
+
+
+class Batch(NamedTuple):
+    """The latest epoch's training steps, flat [N]: those with weight 0 are padding
+    (after an episode's end, or of an episode not yet finished)."""
+    obs: jax.Array
+    action: jax.Array
+    returns: jax.Array  # Monte-Carlo discounted return from the step to its episode's end
+    weight: jax.Array  # 1.0 for a step to train on, else 0.0
+    episode_length: jax.Array  # length of the step's episode inside the batch (sampling)
+
+
+class Tail(NamedTuple):
+    """n_interactions mode: the steps of each env's unfinished episode so far,
+    right-aligned in [n_envs, max_steps]; they train in the epoch it ends in."""
+    obs: jax.Array
+    action: jax.Array
+    reward: jax.Array
+    valid: jax.Array
+
+
+class State(NamedTuple):
+    params: dict
+    opt_state: tuple
+    batch: Batch
+    tail: Optional[Tail]  # None in n_trajectories mode
+    env_state: object
+    obs: jax.Array
+    episode_return: jax.Array  # running undiscounted return of each env
+    key: jax.Array
+    epoch: jax.Array  # completed epochs
+    train_step: jax.Array
+    n_interactions: jax.Array
+    n_trajectories: jax.Array
+
+
+# ---------------------------------------------------------------------------
+# Pure pieces, importable and tested on their own.
+# ---------------------------------------------------------------------------
+
+LOG_2PI = math.log(2 * math.pi)
+
+
+def categorical_log_prob(logits, action):
+    """log softmax(logits)[action], over the last axis."""
+    log_p = jax.nn.log_softmax(logits, axis=-1)
+    return jnp.take_along_axis(log_p, action[..., None].astype(jnp.int32), axis=-1)[..., 0]
+
+
+def categorical_entropy(logits):
+    log_p = jax.nn.log_softmax(logits, axis=-1)
+    return -jnp.sum(jnp.exp(log_p) * log_p, axis=-1)
+
+
+def categorical_sample(key, logits, temperature):
+    """A sample of softmax(logits / T) (Gumbel-max, as Trax); T == 0: argmax."""
+    if temperature == 0.0:
+        return jnp.argmax(logits, axis=-1)
+    return jax.random.categorical(key, logits / temperature, axis=-1)
+
+
+def gaussian_log_prob(mean, log_std, action):
+    """log N(action; mean, exp(log_std)^2), summed over the last (action) axis."""
+    z = (action - mean) * jnp.exp(-log_std)
+    return jnp.sum(-0.5 * z ** 2 - log_std - 0.5 * LOG_2PI, axis=-1)
+
+
+def gaussian_entropy(log_std):
+    return jnp.sum(log_std + 0.5 * (LOG_2PI + 1.0), axis=-1)
+
+
+def gaussian_sample(key, mean, log_std, temperature):
+    """mean + T * std * noise; T == 0: the mean."""
+    if temperature == 0.0:
+        return mean
+    return mean + temperature * jnp.exp(log_std) * jax.random.normal(key, mean.shape)
+
+
+def episode_returns(rewards, dones, valid, gamma):
+    """Monte-Carlo discounted returns over [batch, length] rows, Trax's estimator.
+
+    A row may hold several episodes; `dones` marks each episode's last step, so
+    the sum never crosses into the next episode. A time-limit truncation is a
+    `done` too: REINFORCE has nothing to bootstrap from, so a truncated
+    episode's return is the discounted sum of the rewards it observed (Trax's
+    behaviour). Returns through `common.monte_carlo(gamma, margin=0)` with
+    values 0: in Trax's arrays an episode ends with an extra step (the final
+    observation, mask 0, done), which here are the padding steps `~valid`.
+    """
+    rewards = jnp.where(valid, rewards, 0.0)
+    gammas = jnp.where(dones, 0.0, gamma)
+    returns = common.discounted_returns(rewards, gammas)
+    zeros = jnp.zeros_like(returns)
+    return common.monte_carlo(gamma, 0)(rewards, returns, zeros, ~valid, valid)
+
+
+def masked_mean(x, weight):
+    return jnp.sum(x * weight) / jnp.maximum(jnp.sum(weight), 1e-8)
+
+
+def advantages(returns, weight, normalize):
+    """A = G - b with b the batch's mean return (Trax `_value_fn`), optionally
+    normalised to (A - mean A) / (std A + 1e-5); statistics over weighted steps."""
+    baseline = masked_mean(returns, weight)
+    adv = returns - baseline
+    if normalize:
+        mean = masked_mean(adv, weight)
+        std = jnp.sqrt(masked_mean((adv - mean) ** 2, weight))
+        adv = (adv - mean) / (std + 1e-5)
+    return adv, baseline
+
+
+def reinforce_loss(log_probs, adv, weight):
+    """-(1/N) sum_t w_t A_t log pi(a_t | s_t), N = sum of weights; A is a constant."""
+    return -masked_mean(jax.lax.stop_gradient(adv) * log_probs, weight)
+
+
+def cut_at_last_done(done, valid):
+    """Split [n_envs, length] rows at each row's last finished step.
+
+    Returns (finished, unfinished): steps of episodes that end inside the row,
+    and the steps after the row's last `done` (an episode still running).
+    """
+    index = jnp.arange(done.shape[-1])
+    last_done = jnp.max(jnp.where(done & valid, index, -1), axis=-1, keepdims=True)
+    return valid & (index <= last_done), valid & (index > last_done)
+
+
+def segment_lengths(done, weight):
+    """For each step of [batch, length] rows, the total weight of its episode
+    (episodes end at `done`), i.e. its episode's length in the batch."""
+    rows, length = done.shape
+    done = done.astype(jnp.int32)
+    episode = jnp.cumsum(done, axis=-1) - done  # 0, 0, 0 | 1, 1 | 2 ...
+    ids = (episode + (length + 1) * jnp.arange(rows)[:, None]).reshape(-1)
+    sums = jax.ops.segment_sum(weight.reshape(-1), ids, num_segments=rows * (length + 1))
+    return sums[ids].reshape(rows, length)
+
+
+def sample_slices(key, weight, episode_length, batch_size):
+    """Trax's batch: `batch_size` step indices, each drawn by picking an episode
+    uniformly and then one of its steps uniformly (p = 1 / (n_episodes * length))."""
+    n_episodes = jnp.sum(jnp.where(weight > 0, 1.0 / jnp.maximum(episode_length, 1.0), 0.0))
+    p = jnp.where(weight > 0, 1.0 / (jnp.maximum(episode_length, 1.0)
+                                     * jnp.maximum(n_episodes, 1e-8)), 0.0)
+    logits = jnp.where(p > 0, jnp.log(jnp.maximum(p, 1e-30)), -jnp.inf)
+    logits = jnp.where(jnp.any(p > 0), logits, 0.0)  # nothing to train on: any index
+    return jax.random.categorical(key, logits, shape=(batch_size,))
+
+
+# ---------------------------------------------------------------------------
+# The agent: policy, collect, train, evaluate.
+# ---------------------------------------------------------------------------
+
+
+def make_agent(config: Config) -> common.Agent:
+    """Validate `config` and build the per-run pure functions of REINFORCE."""
+    check_config(config)
+    env, env_params = common.make_env(config.env, config.max_steps)
+    action_space = env.action_space(env_params)
+    kind = common.space_kind(action_space)
+    max_steps = common.env_max_steps(env_params)
+    eval_tags = [(t, h) for t in config.eval_temperatures
+                 for h in (config.eval_steps or (max_steps,))]
+    obs_shape = tuple(env.observation_space(env_params).shape)
+    obs_size = common.flat_obs_size(env, env_params)
+    if kind == 'discrete':
+        n_outputs, action_shape = int(action_space.n), ()
+    else:
+        action_shape = tuple(action_space.shape)
+        n_outputs = int(np.prod(action_shape))
+        low = np.broadcast_to(np.asarray(action_space.low, np.float32), action_shape)
+        high = np.broadcast_to(np.asarray(action_space.high, np.float32), action_shape)
+        bounded = np.isfinite(low) & np.isfinite(high)
+        # The net works in units of half the Box's width around its centre.
+        centre = jnp.asarray(np.where(bounded, (low + high) / 2, 0.0).reshape(-1))
+        half = jnp.asarray(np.where(bounded, (high - low) / 2, 1.0).reshape(-1))
+        low, high = jnp.asarray(low), jnp.asarray(high)
+    trajectories = bool(config.n_trajectories_per_epoch)
+    if trajectories:
+        n_envs, steps = config.n_trajectories_per_epoch, max_steps
+        batch_rows, batch_length = n_envs, steps
+    else:
+        n_envs = config.n_envs
+        steps = config.n_interactions_per_epoch // config.n_envs
+        batch_rows, batch_length = n_envs, max_steps + steps
+    batch_n = batch_rows * batch_length
+    chunk_steps = config.train_steps_per_epoch // config.evals_per_epoch
+    total_train_steps = config.epochs * config.train_steps_per_epoch
+
+    def policy(params, obs):
+        """Distribution inputs: logits, or (mean, log_std) in env units."""
+        x = obs.reshape(obs.shape[:obs.ndim - len(obs_shape)] + (obs_size,))
+        out = common.mlp(params['net'], x.astype(jnp.float32))
+        if kind == 'discrete':
+            return out
+        mean = centre + half * out
+        log_std = jnp.broadcast_to(params['log_std'] + jnp.log(half), mean.shape)
+        return mean, log_std
+
+    def log_prob_and_entropy(params, obs, action):
+        inputs = policy(params, obs)
+        if kind == 'discrete':
+            return categorical_log_prob(inputs, action), categorical_entropy(inputs)
+        mean, log_std = inputs
+        flat = action.reshape(action.shape[:action.ndim - len(action_shape)] + (n_outputs,))
+        return gaussian_log_prob(mean, log_std, flat), gaussian_entropy(log_std)
+
+    def act(key, params, obs, temperature):
+        """(action to learn from, action for the env): a Box action is clipped to
+        its bounds for the env only; the log-prob is of the sampled action."""
+        inputs = policy(params, obs)
+        if kind == 'discrete':
+            action = categorical_sample(key, inputs, temperature)
+            return action, action
+        action = gaussian_sample(key, *inputs, temperature)
+        action = action.reshape(action.shape[:-1] + action_shape)
+        return action, jnp.clip(action, low, high)
+
+    def optimizer(hp):
+        schedule = common.multifactor(config.lr_schedule, constant=hp['lr'],
+                                      warmup_steps=config.warmup_steps,
+                                      total_steps=total_train_steps)
+        return optax.chain(optax.scale_by_adam(), optax.scale_by_schedule(lambda s: -schedule(s)))
+
+    def env_step(keys, env_state, action):
+        return jax.vmap(env.step, in_axes=(0, 0, 0, None))(keys, env_state, action, env_params)
+
+    def env_reset(key, count):
+        return jax.vmap(env.reset, in_axes=(0, None))(jax.random.split(key, count), env_params)
+
+    def rollout(key, params, obs, env_state, episode_return, length, temperature, one_episode):
+        """`length` steps of `obs.shape[0]` envs; time-major records of each step.
+        With `one_episode`, each env plays until its first done (later steps invalid)."""
+        count = episode_return.shape[0]
+
+        def step(carry, step_key):
+            obs, env_state, episode_return, active = carry
+            act_key, env_key = jax.random.split(step_key)
+            action, env_action = act(act_key, params, obs, temperature)
+            next_obs, env_state, reward, terminated, truncated, _ = env_step(
+                jax.random.split(env_key, count), env_state, env_action)
+            reward = reward.astype(jnp.float32)
+            done = terminated | truncated
+            episode_return = episode_return + jnp.where(active, reward, 0.0)
+            finished = done & active
+            record = dict(obs=obs, action=action, reward=reward, done=done, valid=active,
+                          finished=finished,
+                          finished_return=jnp.where(finished, episode_return, 0.0))
+            episode_return = jnp.where(done, 0.0, episode_return)
+            if one_episode:
+                active = active & ~done
+            return (next_obs, env_state, episode_return, active), record
+
+        carry = (obs, env_state, episode_return, jnp.ones(count, bool))
+        carry, records = jax.lax.scan(step, carry, jax.random.split(key, length))
+        return carry, records
+
+    def empty_batch():
+        obs_dtype = jax.eval_shape(lambda k: env.reset(k, env_params)[0],
+                                   jax.random.PRNGKey(0)).dtype
+        action_dtype = jnp.int32 if kind == 'discrete' else jnp.float32
+        return Batch(obs=jnp.zeros((batch_n,) + obs_shape, obs_dtype),
+                     action=jnp.zeros((batch_n,) + action_shape, action_dtype),
+                     returns=jnp.zeros(batch_n), weight=jnp.zeros(batch_n),
+                     episode_length=jnp.ones(batch_n))
+
+    def init(key, hp):
+        net_key, env_key, key = jax.random.split(key, 3)
+        params = {'net': common.init_mlp(net_key, [obs_size, *config.hidden_sizes, n_outputs],
+                                         last_scale=0.01)}
+        if kind == 'box':
+            params['log_std'] = jnp.full((n_outputs,), hp['init_log_std'])
+        obs, env_state = env_reset(env_key, n_envs)
+        batch = empty_batch()
+        tail = None
+        if not trajectories:
+            tail = Tail(obs=jnp.zeros((n_envs, max_steps) + obs_shape, batch.obs.dtype),
+                        action=jnp.zeros((n_envs, max_steps) + action_shape, batch.action.dtype),
+                        reward=jnp.zeros((n_envs, max_steps)),
+                        valid=jnp.zeros((n_envs, max_steps), bool))
+        zero = jnp.zeros((), jnp.int32)
+        return State(params=params, opt_state=optimizer(hp).init(params), batch=batch,
+                     tail=tail, env_state=env_state, obs=obs, episode_return=jnp.zeros(n_envs),
+                     key=key, epoch=zero, train_step=zero, n_interactions=zero,
+                     n_trajectories=zero)
+
+    def collect(hp, state):
+        """One epoch of temperature-1 experience into `state.batch`."""
+        key, reset_key, rollout_key = jax.random.split(state.key, 3)
+        if trajectories:
+            obs, env_state = env_reset(reset_key, n_envs)
+            episode_return = jnp.zeros(n_envs)
+        else:
+            obs, env_state, episode_return = state.obs, state.env_state, state.episode_return
+        (obs, env_state, episode_return, _), rec = rollout(
+            rollout_key, state.params, obs, env_state, episode_return, steps, 1.0, trajectories)
+        rec = jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1), rec)  # [n_envs, steps, ...]
+        tail = state.tail
+        if trajectories:
+            # An episode still running at the cap (only if the env's own limit is
+            # longer) ends there, truncated.
+            done = rec['done'].at[:, -1].set(True)
+            data = {name: rec[name] for name in ('obs', 'action', 'reward', 'valid')}
+            train_on = data['valid']
+        else:
+            # Episodes carry over epochs: an episode's steps train in the epoch in
+            # which it ends (its full Monte-Carlo return is known only then);
+            # until then they wait in `tail`, prepended to the next epoch's steps.
+            data = {name: jnp.concatenate([getattr(tail, name), rec[name]], axis=1)
+                    for name in ('obs', 'action', 'reward', 'valid')}
+            done = jnp.concatenate([jnp.zeros_like(tail.valid), rec['done']], axis=1)
+            train_on, waiting = cut_at_last_done(done, data['valid'])
+            tail = Tail(**{name: value[:, -max_steps:] for name, value in data.items()
+                           if name != 'valid'}, valid=waiting[:, -max_steps:])
+        returns = episode_returns(data['reward'], done, data['valid'], hp['gamma'])
+        weight = train_on.astype(jnp.float32)
+        batch = Batch(obs=data['obs'].reshape((batch_n,) + obs_shape),
+                      action=data['action'].reshape((batch_n,) + action_shape),
+                      returns=returns.reshape(batch_n), weight=weight.reshape(batch_n),
+                      episode_length=segment_lengths(done, weight).reshape(batch_n))
+
+        n_finished = rec['finished'].sum()
+        new_interactions = rec['valid'].sum()
+        if trajectories:  # an episode cut by the cap counts as finished, truncated
+            finished_return = jnp.sum(rec['reward'] * rec['valid'], axis=1)
+            n_finished = jnp.asarray(n_envs, n_finished.dtype)
+            avg_return = finished_return.mean()
+        else:
+            avg_return = jnp.where(n_finished > 0, rec['finished_return'].sum()
+                                   / jnp.maximum(n_finished, 1), jnp.nan)
+        metrics = {
+            'rl/avg_return': avg_return,
+            'rl/n_interactions': state.n_interactions + new_interactions,
+            'rl/n_trajectories': state.n_trajectories + n_finished,
+            'rl/new_interactions': new_interactions,
+        }
+        state = state._replace(batch=batch, tail=tail, env_state=env_state, obs=obs,
+                               episode_return=episode_return, key=key,
+                               n_interactions=state.n_interactions + new_interactions,
+                               n_trajectories=state.n_trajectories + n_finished)
+        return state, metrics
+
+    def loss_fn(params, batch, hp):
+        log_probs, entropy = log_prob_and_entropy(params, batch.obs, batch.action)
+        adv, baseline = advantages(batch.returns, batch.weight, config.normalize_advantages)
+        policy_loss = reinforce_loss(log_probs, adv, batch.weight)
+        mean_entropy = masked_mean(entropy, batch.weight)
+        loss = policy_loss - hp['entropy_coefficient'] * mean_entropy
+        raw = batch.returns - baseline
+        return loss, {'metrics/policy_loss': policy_loss, 'metrics/entropy': mean_entropy,
+                      'metrics/advantage_mean': masked_mean(raw, batch.weight),
+                      'metrics/advantage_std': jnp.sqrt(masked_mean(raw ** 2, batch.weight)),
+                      'metrics/returns_mean': baseline}
+
+    def train_step(hp, state, key):
+        batch = state.batch
+        if config.batch_size:
+            index = sample_slices(key, batch.weight, batch.episode_length, config.batch_size)
+            batch = jax.tree.map(lambda x: x[index], batch)
+            batch = batch._replace(weight=(batch.weight > 0).astype(jnp.float32))
+        grads, metrics = jax.grad(loss_fn, has_aux=True)(state.params, batch, hp)
+        updates, opt_state = optimizer(hp).update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        return state._replace(params=params, opt_state=opt_state,
+                              train_step=state.train_step + 1), metrics
+
+    def train(hp, state):
+        """train_steps_per_epoch gradient steps on this epoch's batch, in chunks."""
+        key, train_key = jax.random.split(state.key)
+        state = state._replace(key=key)
+
+        def chunk(state, chunk_key):
+            state, metrics = jax.lax.scan(lambda s, k: train_step(hp, s, k), state,
+                                          jax.random.split(chunk_key, chunk_steps))
+            return state, jax.tree.map(jnp.mean, metrics)
+
+        state, metrics = jax.lax.scan(chunk, state,
+                                      jax.random.split(train_key, config.evals_per_epoch))
+        state = state._replace(epoch=state.epoch + 1)
+        metrics = jax.tree.map(lambda m: m[-1], metrics)  # the last chunk, as Trax logs
+        if kind == 'box':
+            metrics['metrics/log_std'] = jnp.mean(state.params['log_std'])
+        return state, metrics
+
+    def evaluate(hp, state):
+        """Fresh episodes for each (temperature, horizon); never training data."""
+        key, eval_key = jax.random.split(state.key)
+        metrics = {}
+        if config.n_eval_episodes == 0:
+            return state._replace(key=key), metrics
+        for tag_key, (temperature, horizon) in zip(jax.random.split(eval_key, len(eval_tags)),
+                                                   eval_tags):
+            reset_key, rollout_key = jax.random.split(tag_key)
+            obs, env_state = env_reset(reset_key, config.n_eval_episodes)
+            _, rec = rollout(rollout_key, state.params, obs, env_state,
+                             jnp.zeros(config.n_eval_episodes), horizon, temperature, True)
+            metrics[common.eval_key(temperature, horizon)] = jnp.sum(
+                rec['reward'] * rec['valid'], axis=0).mean()
+        return state._replace(key=key), metrics
+
+    return common.Agent(name='pg', init=init, collect=collect, train=train, evaluate=evaluate,
+                        eval_tags=eval_tags, max_steps=max_steps)
+
+
+def check_config(config: Config):
+    """Reject contradictory or out-of-range settings with a one-line reason."""
+    error = common.UsageError
+    if (config.n_trajectories_per_epoch is None) == (config.n_interactions_per_epoch is None):
+        raise error('exactly one of --n-trajectories-per-epoch or --n-interactions-per-epoch '
+                    'must be set (the other to none)')
+    positive = ['epochs', 'n_envs', 'train_steps_per_epoch', 'evals_per_epoch',
+                'checkpoint_every', 'warmup_steps']
+    positive += [name for name in ('n_trajectories_per_epoch', 'n_interactions_per_epoch',
+                                   'max_steps') if getattr(config, name) is not None]
+    for name in positive:
+        if getattr(config, name) < 1:
+            raise error(f'--{name.replace("_", "-")} must be >= 1, got {getattr(config, name)}')
+    for name in ('batch_size', 'n_eval_episodes'):
+        if getattr(config, name) < 0:
+            raise error(f'--{name.replace("_", "-")} must be >= 0, got {getattr(config, name)}')
+    if config.n_interactions_per_epoch and config.n_interactions_per_epoch % config.n_envs:
+        raise error(f'--n-interactions-per-epoch ({config.n_interactions_per_epoch}) must be a '
+                    f'multiple of --n-envs ({config.n_envs})')
+    if config.train_steps_per_epoch % config.evals_per_epoch:
+        raise error(f'--train-steps-per-epoch ({config.train_steps_per_epoch}) must be '
+                    f'divisible by --evals-per-epoch ({config.evals_per_epoch})')
+    if any(h < 1 for h in config.hidden_sizes):
+        raise error(f'--hidden-sizes entries must be >= 1, got {list(config.hidden_sizes)}')
+    if any(h < 1 for h in config.eval_steps or ()):
+        raise error(f'--eval-steps entries must be >= 1, got {list(config.eval_steps)}')
+    if any(t < 0 for t in config.eval_temperatures):
+        raise error(f'--eval-temperatures must be >= 0, got {list(config.eval_temperatures)}')
+    common.multifactor(config.lr_schedule)  # validates the factor names
+
+
+def check_hyperparameters(config, runs):
+    """Range checks on every value of a (possibly swept) hyperparameter."""
+    for run in runs:
+        if not 0 < run['gamma'] <= 1:
+            raise common.UsageError(f'--gamma must be in (0, 1], got {run["gamma"]}')
+        if run['lr'] <= 0:
+            raise common.UsageError(f'--lr must be > 0, got {run["lr"]}')
+        if run['entropy_coefficient'] < 0:
+            raise common.UsageError(
+                f'--entropy-coefficient must be >= 0, got {run["entropy_coefficient"]}')
+        if not math.isfinite(run['init_log_std']):
+            raise common.UsageError(f'--init-log-std must be finite, got {run["init_log_std"]}')
+
+
+def main(argv=None):
+    parser = common.build_parser(Config, 'pg.py', __doc__.split('\n\n')[0])
+    args = parser.parse_args(argv)
+    config, grid = common.config_and_grid(Config, args)
+    try:
+        check_hyperparameters(config, common.expand_runs(config, grid, args.seed, 1))
+    except common.UsageError as error:
+        parser.error(str(error))
+    # Threefry's "partitionable" form (JAX's default) takes several times longer
+    # to compile under vmap on CPU, which here is most of a short run's wall time.
+    with jax.threefry_partitionable(False):
+        return common.run_experiment(make_agent, config, grid, args, 'pg.py')
+
+
+if __name__ == '__main__':
+    sys.exit(0 if main() is not None else 1)
