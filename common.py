@@ -336,6 +336,17 @@ def _flag_parser(kind, is_tuple, optional, sweep, flag):
     return parse
 
 
+DEFAULT_COMPILE_CACHE = os.environ.get(
+    'JAX_COMPILATION_CACHE_DIR', os.path.join(os.path.expanduser('~'), '.cache', 'trax-rl-jax'))
+
+
+def enable_compile_cache(path):
+    """Persist compiled programs on disk (JAX's own cache) unless path is 'none'."""
+    if path and path.lower() != 'none':
+        jax.config.update('jax_compilation_cache_dir', path)
+        jax.config.update('jax_persistent_cache_min_compile_time_secs', 0.2)
+
+
 def build_parser(config_cls, prog, description):
     """A parser with one flag per config field plus the run flags."""
     parser = ArgumentParser(prog=prog, description=description,
@@ -371,6 +382,9 @@ def build_parser(config_cls, prog, description):
                      type=_flag_parser(int, False, True, False, '--device'),
                      help='run on this one device index (default: shard runs over all)')
     run.add_argument('--quiet', action='store_true', help='no per-epoch lines on stdout')
+    run.add_argument('--compile-cache', default=DEFAULT_COMPILE_CACHE,
+                     help="XLA's persistent compilation cache dir ('none': off); a rerun "
+                          'of the same program skips most of its compile time')
     return parser
 
 
@@ -422,12 +436,17 @@ def _leaf_paths(tree):
             for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
 
 
-def atomic_write_bytes(path, data):
+def atomic_write_bytes(path, data, previous=None):
+    """Write `data` to `path` via a temp file and a rename; optionally move the
+    old file to `previous` first (in the instant between the two renames only
+    `previous` exists, and the loader falls back to it)."""
     tmp = f'{path}.tmp-{os.getpid()}'
     with open(tmp, 'wb') as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
+    if previous and os.path.exists(path):
+        os.replace(path, previous)
     os.replace(tmp, path)
     try:
         directory = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
@@ -437,15 +456,16 @@ def atomic_write_bytes(path, data):
         pass
 
 
-def save_checkpoint(path, state, metadata):
-    """Atomically write `state` (any pytree of arrays) and JSON `metadata`."""
+def save_checkpoint(path, state, metadata, previous=None):
+    """Atomically write `state` (any pytree of arrays) and JSON `metadata`;
+    with `previous`, the checkpoint being replaced is kept under that name."""
     leaves = [np.asarray(leaf) for leaf in jax.tree.leaves(jax.device_get(state))]
     header = {'paths': _leaf_paths(state), 'metadata': metadata}
     arrays = {f'leaf_{i:05d}': leaf for i, leaf in enumerate(leaves)}
     arrays['header'] = np.frombuffer(json.dumps(header).encode(), np.uint8)
     buffer = io.BytesIO()
     np.savez(buffer, **arrays)
-    atomic_write_bytes(path, buffer.getvalue())
+    atomic_write_bytes(path, buffer.getvalue(), previous)
 
 
 def read_checkpoint_metadata(path):
@@ -504,6 +524,21 @@ def metric_records(epoch, metrics, runs):
         record.update({name: _json_value(values[index]) for name, values in metrics.items()})
         records.append(record)
     return records
+
+
+def read_history(path, last_epoch):
+    """Records of epochs <= last_epoch from metrics.jsonl (a torn last line is dropped)."""
+    history = []
+    if os.path.exists(path):
+        with open(path) as f:
+            for line in f:
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+                if record.get('epoch', last_epoch + 1) <= last_epoch:
+                    history.append(record)
+    return history
 
 
 def write_jsonl(path, records, mode='a'):
@@ -639,6 +674,7 @@ def run_experiment(make_agent, config, grid, args, prog):
 
 def _run_experiment(make_agent, config, grid, args, prog):
     wall_start = time.time()
+    enable_compile_cache(getattr(args, 'compile_cache', None))
     if args.num_seeds < 1:
         raise UsageError(f'--num-seeds must be >= 1, got {args.num_seeds}')
     runs = expand_runs(config, grid, args.seed, args.num_seeds)
@@ -658,6 +694,7 @@ def _run_experiment(make_agent, config, grid, args, prog):
 
     run_config = {'algorithm': agent.name, **dataclasses.asdict(config), 'grid': grid,
                   'seed': args.seed, 'num_seeds': args.num_seeds}
+    run_config = json.loads(json.dumps(run_config))  # tuples -> lists, as saved
     sharding = _run_sharding(len(runs), args.device)
     keys = jnp.stack([jax.random.PRNGKey(run['seed']) for run in runs])
     hp = jax.device_put(hp, sharding)
@@ -672,6 +709,18 @@ def _run_experiment(make_agent, config, grid, args, prog):
     compile_s = time.time() - compile_start
 
     history, start_epoch = [], 0
+    previous_path = os.path.join(output_dir, 'checkpoint.prev.npz')
+    if not os.path.exists(checkpoint_path) and os.path.exists(previous_path):
+        # A crash between the two renames of a save: the previous one is whole.
+        os.replace(previous_path, checkpoint_path)
+    if os.path.exists(checkpoint_path):
+        try:
+            read_checkpoint_metadata(checkpoint_path)
+        except ValueError as error:
+            hint = (f'; the previous checkpoint {previous_path} is intact: move it to '
+                    f'{checkpoint_path} to resume from it' if os.path.exists(previous_path)
+                    else '')
+            raise ValueError(f'{error}{hint}') from None
     if os.path.exists(checkpoint_path):
         saved = read_checkpoint_metadata(checkpoint_path)
         differing = config_differences(saved['config'], run_config)
@@ -683,7 +732,8 @@ def _run_experiment(make_agent, config, grid, args, prog):
                 + '; use another --output-dir')
         restored, saved = load_checkpoint(checkpoint_path, state)
         state = jax.device_put(restored, sharding)
-        history, start_epoch = saved['history'], saved['epoch']
+        start_epoch = saved['epoch']
+        history = read_history(os.path.join(output_dir, 'metrics.jsonl'), start_epoch)
         # Trax's check that the trainer is at an epoch boundary.
         for step in np.unique(np.asarray(state.train_step)):
             if remaining_evals(int(step), start_epoch + 1, config.train_steps_per_epoch,
@@ -705,7 +755,7 @@ def _run_experiment(make_agent, config, grid, args, prog):
         return metrics
 
     metrics_path = os.path.join(output_dir, 'metrics.jsonl')
-    # The checkpoint's history is the truth: drop lines of epochs it lacks.
+    # The checkpoint decides: drop lines of epochs after it (they are redone).
     atomic_write_bytes(metrics_path, b''.join(
         (json.dumps(record) + '\n').encode() for record in history))
     last = {}
@@ -733,11 +783,13 @@ def _run_experiment(make_agent, config, grid, args, prog):
                             f'of epoch {epoch - 1} in {output_dir} is kept', status=1)
             records = metric_records(epoch, metrics, runs)
             history.extend(records)
+            # Metrics first, then the checkpoint: a crash between the two leaves
+            # lines of an epoch the resumed run recomputes identically.
+            write_jsonl(metrics_path, records)
             if epoch % config.checkpoint_every == 0 or epoch == config.epochs \
                     or interrupt.requested:
-                save_checkpoint(checkpoint_path, state,
-                                {'config': run_config, 'epoch': epoch, 'history': history})
-            write_jsonl(metrics_path, records)
+                save_checkpoint(checkpoint_path, state, {'config': run_config, 'epoch': epoch},
+                                previous=previous_path)
             last = metrics
             if not args.quiet:
                 print(epoch_line(epoch, metrics, time.time() - epoch_start), flush=True)
