@@ -700,6 +700,27 @@ def _run_experiment(make_agent, config, grid, args, prog):
     hp = jax.device_put(hp, sharding)
     keys = jax.device_put(keys, sharding)
 
+    history, start_epoch = [], 0
+    previous_path = os.path.join(output_dir, 'checkpoint.prev.npz')
+    if not os.path.exists(checkpoint_path) and os.path.exists(previous_path):
+        # A crash between the two renames of a save: the previous one is whole.
+        os.replace(previous_path, checkpoint_path)
+    resuming = os.path.exists(checkpoint_path)
+    if resuming:  # refuse a broken checkpoint or another config before compiling
+        try:
+            saved = read_checkpoint_metadata(checkpoint_path)
+        except ValueError as error:
+            hint = (f'; the previous checkpoint {previous_path} is intact: move it to '
+                    f'{checkpoint_path} to resume from it' if os.path.exists(previous_path)
+                    else '')
+            raise ValueError(f'{error}{hint}') from None
+        differing = config_differences(saved['config'], run_config)
+        if differing:
+            raise UsageError(
+                f'{output_dir} holds a run with a different config; differing: '
+                + ', '.join(f'{name} (saved {saved["config"].get(name)!r}, now '
+                            f'{run_config.get(name)!r})' for name in differing)
+                + '; use another --output-dir')
     compile_start = time.time()
     init = jax.jit(jax.vmap(agent.init)).lower(keys, hp).compile()
     state = init(keys, hp)
@@ -708,38 +729,21 @@ def _run_experiment(make_agent, config, grid, args, prog):
     finite = jax.jit(_finite_floats).lower(state.params).compile()
     compile_s = time.time() - compile_start
 
-    history, start_epoch = [], 0
-    previous_path = os.path.join(output_dir, 'checkpoint.prev.npz')
-    if not os.path.exists(checkpoint_path) and os.path.exists(previous_path):
-        # A crash between the two renames of a save: the previous one is whole.
-        os.replace(previous_path, checkpoint_path)
-    if os.path.exists(checkpoint_path):
-        try:
-            read_checkpoint_metadata(checkpoint_path)
-        except ValueError as error:
-            hint = (f'; the previous checkpoint {previous_path} is intact: move it to '
-                    f'{checkpoint_path} to resume from it' if os.path.exists(previous_path)
-                    else '')
-            raise ValueError(f'{error}{hint}') from None
-    if os.path.exists(checkpoint_path):
-        saved = read_checkpoint_metadata(checkpoint_path)
-        differing = config_differences(saved['config'], run_config)
-        if differing:
-            raise UsageError(
-                f'{output_dir} holds a run with a different config; differing: '
-                + ', '.join(f'{name} (saved {saved["config"].get(name)!r}, now '
-                            f'{run_config.get(name)!r})' for name in differing)
-                + '; use another --output-dir')
+    if resuming:
         restored, saved = load_checkpoint(checkpoint_path, state)
         state = jax.device_put(restored, sharding)
         start_epoch = saved['epoch']
         history = read_history(os.path.join(output_dir, 'metrics.jsonl'), start_epoch)
         # Trax's check that the trainer is at an epoch boundary.
         for step in np.unique(np.asarray(state.train_step)):
-            if remaining_evals(int(step), start_epoch + 1, config.train_steps_per_epoch,
-                               config.evals_per_epoch) != config.evals_per_epoch:
-                raise ValueError(f'checkpoint {checkpoint_path}: trainer step {int(step)} '
-                                 f'is not at the end of epoch {start_epoch}')
+            try:
+                left = remaining_evals(int(step), start_epoch + 1, config.train_steps_per_epoch,
+                                       config.evals_per_epoch)
+            except ValueError as error:
+                left = error
+            if left != config.evals_per_epoch:
+                raise ValueError(f'checkpoint {checkpoint_path}: trainer step {int(step)} is not '
+                                 f'at the end of epoch {start_epoch} ({left} evals left)')
     elif not args.only_eval:
         atomic_write_bytes(os.path.join(output_dir, 'config.json'),
                            json.dumps(run_config, indent=2).encode())

@@ -1,0 +1,343 @@
+"""Runs that survive: resume after kill -9, config mismatch, only-eval, bad
+input, corrupt checkpoints, the NaN guard and Ctrl-C, for both scripts.
+
+Most tests run the scripts as subprocesses, because the behaviour under test
+is the CLI's: exit status, one line on stderr, what is (not) written.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import common  # noqa: E402
+
+# Small, fast configs; a few hundred ms per epoch so a kill lands mid-run.
+SMALL = {
+    'dqn': ['--n-envs', '4', '--n-interactions-per-epoch', '64', '--train-steps-per-epoch', '1024',
+            '--batch-size', '32', '--n-eval-episodes', '2', '--eval-steps', '40',
+            '--n-replay-epochs', '3', '--hidden-sizes', '16', '--lr-schedule', 'constant'],
+    'pg': ['--n-trajectories-per-epoch', '4', '--n-interactions-per-epoch', 'none',
+           '--max-steps', '40', '--train-steps-per-epoch', '2', '--n-eval-episodes', '2',
+           '--eval-steps', '40', '--hidden-sizes', '16'],
+}
+ALGOS = sorted(SMALL)
+IGNORED = ('timing/', 'rl/n_interactions_per_second')
+
+
+@pytest.fixture(scope='session')
+def cache_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp('xla_cache'))
+
+
+def run_script(algo, args, cache_dir, extra=(), check=None, **kwargs):
+    command = [sys.executable, os.path.join(ROOT, f'{algo}.py'), '--quiet',
+               '--compile-cache', cache_dir, *SMALL[algo], *args, *extra]
+    result = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=300,
+                            **kwargs)
+    if check is not None:
+        assert result.returncode == check, result.stderr[-2000:]
+    return result
+
+
+def metrics_without_timing(path):
+    records = [json.loads(line) for line in open(path)]
+    return [{k: v for k, v in r.items() if not k.startswith(IGNORED)} for r in records]
+
+
+def checkpoint_leaves(path):
+    header, leaves = common._read_checkpoint(path)
+    return header['metadata'], leaves
+
+
+def assert_one_line_error(result, *needles):
+    assert result.returncode != 0
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert 'Traceback' not in result.stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+@pytest.fixture(scope='session')
+def reference_runs(tmp_path_factory, cache_dir):
+    """An uninterrupted 5-epoch run of each algorithm."""
+    runs = {}
+    for algo in ALGOS:
+        out = str(tmp_path_factory.mktemp(f'{algo}_reference'))
+        run_script(algo, ['--epochs', '5', '--output-dir', out, '--seed', '3'], cache_dir, check=0)
+        runs[algo] = out
+    return runs
+
+
+# ---------------------------------------------------------------------------
+# Resume
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize('algo', ALGOS)
+def test_kill_9_then_resume_is_bitwise_identical(algo, reference_runs, cache_dir, tmp_path):
+    out = str(tmp_path / 'run')
+    command = [sys.executable, os.path.join(ROOT, f'{algo}.py'), '--quiet', '--compile-cache',
+               cache_dir, *SMALL[algo], '--epochs', '5', '--output-dir', out, '--seed', '3']
+    process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL)
+    metrics_path = os.path.join(out, 'metrics.jsonl')
+    deadline = time.time() + 120
+    while time.time() < deadline and process.poll() is None:  # wait for epoch 2
+        if os.path.exists(metrics_path) and sum(1 for _ in open(metrics_path)) >= 2:
+            break
+        time.sleep(0.01)
+    assert process.poll() is None, 'run finished before it could be killed; make epochs longer'
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    saved_epoch = common.read_checkpoint_metadata(os.path.join(out, 'checkpoint.npz'))['epoch']
+    assert 1 <= saved_epoch < 5
+
+    run_script(algo, ['--epochs', '5', '--output-dir', out, '--seed', '3'], cache_dir, check=0)
+    reference = reference_runs[algo]
+    assert metrics_without_timing(os.path.join(out, 'metrics.jsonl')) == \
+        metrics_without_timing(os.path.join(reference, 'metrics.jsonl'))
+    resumed_meta, resumed = checkpoint_leaves(os.path.join(out, 'checkpoint.npz'))
+    reference_meta, expected = checkpoint_leaves(os.path.join(reference, 'checkpoint.npz'))
+    assert resumed_meta['epoch'] == reference_meta['epoch'] == 5
+    assert len(resumed) == len(expected)
+    for a, b in zip(resumed, expected):
+        assert a.dtype == b.dtype
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize('algo', ALGOS)
+def test_resume_extends_to_total_epochs(algo, reference_runs, cache_dir, tmp_path):
+    out = str(tmp_path / 'run')
+    run_script(algo, ['--epochs', '2', '--output-dir', out, '--seed', '3'], cache_dir, check=0)
+    assert len({r['epoch'] for r in metrics_without_timing(os.path.join(out, 'metrics.jsonl'))}) == 2
+    # --epochs is the total; changing it is harmless.
+    run_script(algo, ['--epochs', '5', '--output-dir', out, '--seed', '3'], cache_dir, check=0)
+    assert metrics_without_timing(os.path.join(out, 'metrics.jsonl')) == \
+        metrics_without_timing(os.path.join(reference_runs[algo], 'metrics.jsonl'))
+    summary = json.load(open(os.path.join(out, 'summary.json')))
+    assert summary['epochs'] == 5
+
+
+@pytest.mark.parametrize('algo', ALGOS)
+def test_resume_with_changed_config_is_refused(algo, reference_runs, cache_dir):
+    out = reference_runs[algo]
+    before = open(os.path.join(out, 'checkpoint.npz'), 'rb').read()
+    result = run_script(algo, ['--epochs', '6', '--output-dir', out, '--seed', '3',
+                               '--hidden-sizes', '8', '--num-seeds', '2'], cache_dir)
+    assert result.returncode == 2
+    assert_one_line_error(result, 'hidden_sizes', 'num_seeds')
+    result = run_script(algo, ['--epochs', '6', '--output-dir', out, '--seed', '3',
+                               '--env', 'Acrobot-v1'], cache_dir)
+    assert_one_line_error(result, 'env')
+    assert open(os.path.join(out, 'checkpoint.npz'), 'rb').read() == before
+
+
+@pytest.mark.parametrize('algo', ALGOS)
+def test_restored_trainer_step_is_validated(algo, reference_runs, cache_dir, tmp_path):
+    import shutil
+    out = str(tmp_path / 'run')
+    shutil.copytree(reference_runs[algo], out)
+    path = os.path.join(out, 'checkpoint.npz')
+    header, leaves = common._read_checkpoint(path)
+    index = [i for i, name in enumerate(header['paths']) if name.endswith('.train_step')][0]
+    leaves[index] = leaves[index] + 1  # not at an epoch boundary any more
+    arrays = {f'leaf_{i:05d}': leaf for i, leaf in enumerate(leaves)}
+    arrays['header'] = np.frombuffer(json.dumps(header).encode(), np.uint8)
+    np.savez(path, **arrays)
+    result = run_script(algo, ['--epochs', '6', '--output-dir', out, '--seed', '3'], cache_dir)
+    assert_one_line_error(result, 'trainer step', 'epoch 5')
+
+
+# ---------------------------------------------------------------------------
+# only-eval
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize('algo', ALGOS)
+def test_only_eval_restores_and_never_writes_the_checkpoint(algo, reference_runs, cache_dir):
+    out = reference_runs[algo]
+    path = os.path.join(out, 'checkpoint.npz')
+    before, mtime = open(path, 'rb').read(), os.stat(path).st_mtime_ns
+    command = [sys.executable, os.path.join(ROOT, f'{algo}.py'), '--compile-cache', cache_dir,
+               *SMALL[algo], '--epochs', '5', '--output-dir', out, '--seed', '3', '--only-eval']
+    result = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert 'rl/avg_return_temperature0.00_steps40' in result.stdout
+    records = [json.loads(line) for line in open(os.path.join(out, 'eval.jsonl'))]
+    assert records[-1]['epoch'] == 5
+    assert records[-1]['rl/avg_return_temperature0.00_steps40'] is not None
+    assert open(path, 'rb').read() == before and os.stat(path).st_mtime_ns == mtime
+
+
+@pytest.mark.parametrize('algo', ALGOS)
+def test_only_eval_without_checkpoint_fails_cleanly(algo, cache_dir, tmp_path):
+    out = str(tmp_path / 'empty')
+    result = run_script(algo, ['--only-eval', '--output-dir', out], cache_dir)
+    assert result.returncode == 2
+    assert_one_line_error(result, 'no checkpoint')
+    assert not os.path.exists(out)
+
+
+# ---------------------------------------------------------------------------
+# Bad input: one line, non-zero exit, nothing written
+# ---------------------------------------------------------------------------
+
+BAD_INPUT = [
+    (['--env', 'NoSuchEnv-v0'], 'CartPole-v1'),
+    (['--n-interactions-per-epoch', '64', '--n-trajectories-per-epoch', '4'], 'exactly one'),
+    (['--n-interactions-per-epoch', 'none', '--n-trajectories-per-epoch', 'none'], 'exactly one'),
+    (['--epochs', '0'], '--epochs'),
+    (['--train-steps-per-epoch', '-3'], '--train-steps-per-epoch'),
+    (['--train-steps-per-epoch', '10', '--evals-per-epoch', '3'], 'divisible'),
+    (['--eval-steps', '10,0'], '--eval-steps'),
+    (['--gamma', '1.5'], '--gamma'),
+    (['--gamma', '0'], '--gamma'),
+    (['--lr', 'fast'], '--lr'),
+    (['--num-seeds', '0'], '--num-seeds'),
+    (['--hidden-sizes', '16', '--epochs', '2,3'], '--epochs'),
+]
+
+
+@pytest.mark.parametrize('algo', ALGOS)
+@pytest.mark.parametrize('flags,needle', BAD_INPUT, ids=[' '.join(f) for f, _ in BAD_INPUT])
+def test_bad_input_is_one_line_and_writes_nothing(algo, flags, needle, cache_dir, tmp_path,
+                                                  capfd):
+    """In-process (no JAX start-up per case): exit 2, one stderr line, no output dir."""
+    import importlib
+    module = importlib.import_module(algo)
+    out = str(tmp_path / 'out')
+    with pytest.raises(SystemExit) as exit_info:
+        module.main(['--quiet', '--compile-cache', cache_dir, *SMALL[algo], '--epochs', '2',
+                     '--output-dir', out, *flags])
+    assert exit_info.value.code == 2
+    captured = capfd.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0], captured.err
+    assert not os.path.exists(out)
+
+
+def test_dqn_refuses_continuous_actions(cache_dir, tmp_path):
+    result = run_script('dqn', ['--env', 'Pendulum-v1', '--output-dir', str(tmp_path / 'o')],
+                        cache_dir)
+    assert result.returncode == 2
+    assert_one_line_error(result, 'pg.py')
+
+
+@pytest.mark.parametrize('algo', ALGOS)
+def test_output_dir_that_is_a_file(algo, cache_dir, tmp_path):
+    path = tmp_path / 'afile'
+    path.write_text('keep me')
+    result = run_script(algo, ['--epochs', '1', '--output-dir', str(path)], cache_dir)
+    assert result.returncode == 2
+    assert_one_line_error(result, 'not a directory')
+    assert path.read_text() == 'keep me'
+    result = run_script(algo, ['--epochs', '1', '--output-dir', str(path / 'sub')], cache_dir)
+    assert result.returncode == 2
+    assert_one_line_error(result, 'output-dir')
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason='root can write to a read-only directory')
+def test_output_dir_not_writable(cache_dir, tmp_path):
+    path = tmp_path / 'ro'
+    path.mkdir()
+    path.chmod(0o500)
+    result = run_script('dqn', ['--epochs', '1', '--output-dir', str(path)], cache_dir)
+    assert_one_line_error(result, 'not writable')
+
+
+@pytest.mark.parametrize('algo', ALGOS)
+def test_truncated_checkpoint_is_reported_and_previous_survives(algo, reference_runs, cache_dir,
+                                                                tmp_path):
+    import shutil
+    out = str(tmp_path / 'run')
+    shutil.copytree(reference_runs[algo], out)
+    path = os.path.join(out, 'checkpoint.npz')
+    data = open(path, 'rb').read()
+    open(path, 'wb').write(data[:len(data) // 2])
+    previous = os.path.join(out, 'checkpoint.prev.npz')
+    previous_bytes = open(previous, 'rb').read()
+    result = run_script(algo, ['--epochs', '6', '--output-dir', out, '--seed', '3'], cache_dir)
+    assert result.returncode == 1
+    assert_one_line_error(result, 'corrupt or truncated', 'checkpoint.prev.npz')
+    assert open(previous, 'rb').read() == previous_bytes
+    assert common.read_checkpoint_metadata(previous)['epoch'] == 4
+    # Following the message's advice resumes from the previous checkpoint.
+    os.replace(previous, path)
+    run_script(algo, ['--epochs', '5', '--output-dir', out, '--seed', '3'], cache_dir, check=0)
+    assert metrics_without_timing(os.path.join(out, 'metrics.jsonl')) == \
+        metrics_without_timing(os.path.join(reference_runs[algo], 'metrics.jsonl'))
+
+
+# ---------------------------------------------------------------------------
+# NaN guard and Ctrl-C
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize('algo', ALGOS)
+def test_nan_guard_stops_and_keeps_last_good_checkpoint(algo, cache_dir, tmp_path, capsys):
+    """A network that turns non-finite in epoch 3 stops the run; epoch 2's checkpoint stays."""
+    import importlib
+    import jax
+    import jax.numpy as jnp
+    module = importlib.import_module(algo)
+    parser = common.build_parser(module.Config, f'{algo}.py', '')
+    out = str(tmp_path / 'run')
+    args = parser.parse_args([*SMALL[algo], '--epochs', '4', '--output-dir', out, '--quiet',
+                              '--compile-cache', cache_dir])
+    config, grid = common.config_and_grid(module.Config, args)
+
+    def make_poisoned_agent(config):
+        agent = module.make_agent(config)
+        train = agent.train
+
+        def poisoned_train(hp, state):
+            state, metrics = train(hp, state)
+            poison = jnp.where(state.epoch >= 3, jnp.nan, 1.0)
+            return state._replace(params=jax.tree.map(lambda p: p * poison, state.params)), \
+                metrics
+        agent.train = poisoned_train
+        return agent
+
+    with pytest.raises(SystemExit) as exit_info:
+        common.run_experiment(make_poisoned_agent, config, grid, args, f'{algo}.py')
+    assert exit_info.value.code == 1
+    message = capsys.readouterr().err
+    assert 'non-finite' in message and 'epoch 3' in message
+    assert common.read_checkpoint_metadata(os.path.join(out, 'checkpoint.npz'))['epoch'] == 2
+    assert {r['epoch'] for r in map(json.loads, open(os.path.join(out, 'metrics.jsonl')))} == {1, 2}
+
+
+@pytest.mark.parametrize('algo', ALGOS)
+def test_ctrl_c_finishes_the_epoch_and_leaves_a_loadable_checkpoint(algo, reference_runs,
+                                                                    cache_dir, tmp_path):
+    out = str(tmp_path / 'run')
+    command = [sys.executable, os.path.join(ROOT, f'{algo}.py'), '--quiet', '--compile-cache',
+               cache_dir, *SMALL[algo], '--epochs', '5', '--output-dir', out, '--seed', '3']
+    process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.PIPE, text=True)
+    metrics_path = os.path.join(out, 'metrics.jsonl')
+    deadline = time.time() + 120
+    while time.time() < deadline and process.poll() is None:
+        if os.path.exists(metrics_path) and sum(1 for _ in open(metrics_path)) >= 1:
+            break
+        time.sleep(0.01)
+    assert process.poll() is None
+    process.send_signal(signal.SIGINT)
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 130, stderr
+    assert 'Traceback' not in stderr and 'resume' in stderr
+    epoch = common.read_checkpoint_metadata(os.path.join(out, 'checkpoint.npz'))['epoch']
+    assert 1 <= epoch < 5
+    run_script(algo, ['--epochs', '5', '--output-dir', out, '--seed', '3'], cache_dir, check=0)
+    assert metrics_without_timing(metrics_path) == \
+        metrics_without_timing(os.path.join(reference_runs[algo], 'metrics.jsonl'))
