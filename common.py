@@ -722,9 +722,19 @@ def _run_experiment(make_agent, config, grid, args, prog):
                             f'{run_config.get(name)!r})' for name in differing)
                 + '; use another --output-dir')
     compile_start = time.time()
-    init = jax.jit(jax.vmap(agent.init)).lower(keys, hp).compile()
-    state = init(keys, hp)
-    phases = {name: jax.jit(jax.vmap(getattr(agent, name))).lower(hp, state).compile()
+    def compiled(function, *example):  # every leaf of every input/output is [n_runs, ...]
+        vectorized = jax.vmap(function)
+        if isinstance(sharding, jax.sharding.NamedSharding):
+            # Each device runs the same vmapped program on its slice of runs, so
+            # results are bitwise those of one device (GSPMD's rewrite is not).
+            spec = sharding.spec
+            vectorized = jax.shard_map(vectorized, mesh=sharding.mesh,
+                                       in_specs=(spec,) * len(example), out_specs=spec,
+                                       check_vma=False)
+        return jax.jit(vectorized, in_shardings=sharding,
+                       out_shardings=sharding).lower(*example).compile()
+    state = compiled(agent.init, keys, hp)(keys, hp)
+    phases = {name: compiled(getattr(agent, name), hp, state)
               for name in ('collect', 'train', 'evaluate')}
     finite = jax.jit(_finite_floats).lower(state.params).compile()
     compile_s = time.time() - compile_start
