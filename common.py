@@ -789,6 +789,8 @@ def _run_experiment(make_agent, config, grid, args, prog):
             metrics['rl/n_interactions_per_second'] = new_steps / max(collect_s, 1e-9)
             metrics['timing/collect'] = np.full(len(runs), collect_s)
             metrics['timing/train'] = np.full(len(runs), train_s)
+            metrics['timing/epoch'] = np.full(len(runs), time.time() - epoch_start)
+            metrics['timing/since_start'] = np.full(len(runs), time.time() - wall_start)
             bad = [name for name, values in metrics.items()
                    if name.startswith('metrics/') and not np.all(np.isfinite(values))]
             if bad or not bool(finite(state.params)):
