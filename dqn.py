@@ -194,6 +194,11 @@ def make_agent(config: Config) -> common.Agent:
     chunk_steps = config.train_steps_per_epoch // config.evals_per_epoch
     total_train_steps = config.epochs * config.train_steps_per_epoch
 
+    def storage_dtype(dtype):
+        """Replay dtype: native, except MinAtar's 0/1 channels, which gymnax hands
+        out as float32 and which are stored losslessly as bool (4x less memory)."""
+        return jnp.bool_ if config.env.endswith('-MinAtar') else dtype
+
     def value_scale(hp):
         """Network output * scale = Q (Trax's scale_value_targets)."""
         return 1.0 / (1.0 - hp['gamma']) if config.scale_value_targets else 1.0
@@ -237,7 +242,7 @@ def make_agent(config: Config) -> common.Agent:
         params = common.init_mlp(
             net_key, [obs_size, *config.hidden_sizes, n_actions])
         obs, env_state = env_reset(env_key, n_envs)
-        obs_dtype = obs.dtype
+        obs_dtype = storage_dtype(obs.dtype)
         replay = Replay(
             obs=jnp.zeros((config.n_replay_epochs, block_size) + obs_shape, obs_dtype),
             action=jnp.zeros((config.n_replay_epochs, block_size), jnp.int32),
@@ -289,8 +294,9 @@ def make_agent(config: Config) -> common.Agent:
             n_step_transitions, in_axes=(1, 1, 1, 1, None, None), out_axes=1)(
             rollout['reward'], rollout['terminated'], rollout['done'], rollout['final_obs'],
             hp['gamma'], n_step)
-        rows = dict(obs=rollout['obs'], action=rollout['action'], reward_sum=reward_sum,
-                    bootstrap_obs=bootstrap_obs, bootstrap_discount=bootstrap_discount)
+        rows = dict(obs=rollout['obs'].astype(state.replay.obs.dtype), action=rollout['action'],
+                    reward_sum=reward_sum, bootstrap_discount=bootstrap_discount,
+                    bootstrap_obs=bootstrap_obs.astype(state.replay.obs.dtype))
         rows = {name: value.reshape((block_size,) + value.shape[2:]) for name, value in rows.items()}
         valid = rollout['valid'].reshape(block_size)
         if fresh_episodes:  # move the valid rows to the front of the block
