@@ -30,7 +30,7 @@ import common
 @dataclasses.dataclass(frozen=True)
 class Config:
     env: str = common.option('CartPole-v1', 'gymnax env with a Discrete action space')
-    epochs: int = common.option(40, 'total epochs of collect -> train -> evaluate')
+    epochs: int = common.option(50, 'total epochs of collect -> train -> evaluate')
     n_envs: int = common.option(16, 'parallel envs per run (n_interactions mode)')
     n_interactions_per_epoch: Optional[int] = common.option(
         512, 'env steps collected per epoch and run; episodes carry over epochs')
@@ -58,7 +58,7 @@ class Config:
     sync_freq: int = common.option(
         25, 'gradient steps between target-net syncs (Trax: 1000)', sweep=True)
     n_replay_epochs: int = common.option(
-        40, 'replay holds the transitions of this many last epochs (Trax: 1)')
+        50, 'replay holds the transitions of this many last epochs (Trax: 1)')
     exploration_constant: float = common.option(1.0, 'epsilon at epoch 0', sweep=True)
     exploration_decay_factor: float = common.option(
         0.9, 'epsilon *= this every steps_per_decay epochs (Trax: 0.99)', sweep=True)
