@@ -398,6 +398,9 @@ def config_and_grid(config_cls, args):
                 grid[field.name] = value
             value = value[0]
         values[field.name] = value
+    if 'lr_decay_epochs' in values and values['lr_decay_epochs'] is None:
+        # Pin the schedule's horizon, so a resume with more --epochs keeps it.
+        values['lr_decay_epochs'] = values['epochs']
     return config_cls(**values), grid
 
 

@@ -48,6 +48,9 @@ class Config:
         'multifactor factors: constant, linear_warmup, rsqrt_decay, decay_every, '
         'linear_decay (to 0 at the last step); Trax: constant * linear_warmup * rsqrt_decay')
     warmup_steps: int = common.option(400, 'linear_warmup / rsqrt_decay steps')
+    lr_decay_epochs: Optional[int] = common.option(
+        None, 'linear_decay reaches 0 after this many epochs (default: --epochs); keep '
+        'it when resuming with a larger --epochs so the schedule does not change')
     gamma: float = common.option(0.99, 'discount factor in (0, 1]', sweep=True)
     max_slice_length: int = common.option(
         4, 'Trax slice length L >= 2: targets are (L-1)-step returns (Trax: 1, broken)')
@@ -155,7 +158,7 @@ def value_loss(predicted, target, smoothl1loss):
     error = predicted - jax.lax.stop_gradient(target)
     if smoothl1loss:
         return jnp.mean(optax.huber_loss(error, delta=1.0))
-    return jnp.mean(0.5 * error ** 2)
+    return jnp.mean(error ** 2)  # Trax's L2Loss: mean squared error
 
 
 def sample_indices(key, count, batch_size):
@@ -192,7 +195,7 @@ def make_agent(config: Config) -> common.Agent:
         steps = config.n_interactions_per_epoch // config.n_envs
     block_size = n_envs * steps
     chunk_steps = config.train_steps_per_epoch // config.evals_per_epoch
-    total_train_steps = config.epochs * config.train_steps_per_epoch
+    total_train_steps = (config.lr_decay_epochs or config.epochs) * config.train_steps_per_epoch
 
     def storage_dtype(dtype):
         """Replay dtype: native, except MinAtar's 0/1 channels, which gymnax hands
@@ -408,6 +411,7 @@ def check_config(config: Config):
     positive = ['epochs', 'n_envs', 'train_steps_per_epoch', 'evals_per_epoch', 'batch_size',
                 'n_replay_epochs', 'exploration_steps_per_decay', 'checkpoint_every',
                 'warmup_steps', 'sync_freq']
+    positive += ['lr_decay_epochs'] if config.lr_decay_epochs is not None else []
     positive += [name for name in ('n_trajectories_per_epoch', 'n_interactions_per_epoch',
                                    'max_steps') if getattr(config, name) is not None]
     for name in positive:

@@ -24,7 +24,7 @@ import common  # noqa: E402
 SMALL = {
     'dqn': ['--n-envs', '4', '--n-interactions-per-epoch', '64', '--train-steps-per-epoch', '1024',
             '--batch-size', '32', '--n-eval-episodes', '2', '--eval-steps', '40',
-            '--n-replay-epochs', '3', '--hidden-sizes', '16', '--lr-schedule', 'constant'],
+            '--n-replay-epochs', '3', '--hidden-sizes', '16'],
     'pg': ['--n-trajectories-per-epoch', '4', '--n-interactions-per-epoch', 'none',
            '--max-steps', '40', '--train-steps-per-epoch', '2', '--n-eval-episodes', '2',
            '--eval-steps', '40', '--hidden-sizes', '16'],
@@ -67,15 +67,24 @@ def assert_one_line_error(result, *needles):
         assert needle in lines[0], lines[0]
 
 
+class _ReferenceRuns(dict):
+    """algo -> output dir of an uninterrupted 5-epoch run, made on first use."""
+
+    def __init__(self, factory, cache_dir):
+        super().__init__()
+        self.factory, self.cache_dir = factory, cache_dir
+
+    def __missing__(self, algo):
+        out = str(self.factory.mktemp(f'{algo}_reference'))
+        run_script(algo, ['--epochs', '5', '--output-dir', out, '--seed', '3'], self.cache_dir,
+                   check=0)
+        self[algo] = out
+        return out
+
+
 @pytest.fixture(scope='session')
 def reference_runs(tmp_path_factory, cache_dir):
-    """An uninterrupted 5-epoch run of each algorithm."""
-    runs = {}
-    for algo in ALGOS:
-        out = str(tmp_path_factory.mktemp(f'{algo}_reference'))
-        run_script(algo, ['--epochs', '5', '--output-dir', out, '--seed', '3'], cache_dir, check=0)
-        runs[algo] = out
-    return runs
+    return _ReferenceRuns(tmp_path_factory, cache_dir)
 
 
 # ---------------------------------------------------------------------------
@@ -118,7 +127,10 @@ def test_kill_9_then_resume_is_bitwise_identical(algo, reference_runs, cache_dir
 @pytest.mark.parametrize('algo', ALGOS)
 def test_resume_extends_to_total_epochs(algo, reference_runs, cache_dir, tmp_path):
     out = str(tmp_path / 'run')
-    run_script(algo, ['--epochs', '2', '--output-dir', out, '--seed', '3'], cache_dir, check=0)
+    # The lr decay horizon defaults to --epochs and is pinned in the config, so
+    # plan the 5-epoch schedule from the start to extend a 2-epoch run.
+    run_script(algo, ['--epochs', '2', '--lr-decay-epochs', '5', '--output-dir', out,
+                      '--seed', '3'], cache_dir, check=0)
     assert len({r['epoch'] for r in metrics_without_timing(os.path.join(out, 'metrics.jsonl'))}) == 2
     # --epochs is the total; changing it is harmless.
     run_script(algo, ['--epochs', '5', '--output-dir', out, '--seed', '3'], cache_dir, check=0)
@@ -126,17 +138,22 @@ def test_resume_extends_to_total_epochs(algo, reference_runs, cache_dir, tmp_pat
         metrics_without_timing(os.path.join(reference_runs[algo], 'metrics.jsonl'))
     summary = json.load(open(os.path.join(out, 'summary.json')))
     assert summary['epochs'] == 5
+    # More epochs without pinning the decay horizon would change the schedule:
+    # refused, naming the field.
+    result = run_script(algo, ['--epochs', '7', '--output-dir', out, '--seed', '3'], cache_dir)
+    assert result.returncode == 2
+    assert_one_line_error(result, 'lr_decay_epochs')
 
 
 @pytest.mark.parametrize('algo', ALGOS)
 def test_resume_with_changed_config_is_refused(algo, reference_runs, cache_dir):
     out = reference_runs[algo]
     before = open(os.path.join(out, 'checkpoint.npz'), 'rb').read()
-    result = run_script(algo, ['--epochs', '6', '--output-dir', out, '--seed', '3',
+    result = run_script(algo, ['--epochs', '6', '--lr-decay-epochs', '5', '--output-dir', out, '--seed', '3',
                                '--hidden-sizes', '8', '--num-seeds', '2'], cache_dir)
     assert result.returncode == 2
     assert_one_line_error(result, 'hidden_sizes', 'num_seeds')
-    result = run_script(algo, ['--epochs', '6', '--output-dir', out, '--seed', '3',
+    result = run_script(algo, ['--epochs', '6', '--lr-decay-epochs', '5', '--output-dir', out, '--seed', '3',
                                '--env', 'Acrobot-v1'], cache_dir)
     assert_one_line_error(result, 'env')
     assert open(os.path.join(out, 'checkpoint.npz'), 'rb').read() == before
@@ -154,7 +171,7 @@ def test_restored_trainer_step_is_validated(algo, reference_runs, cache_dir, tmp
     arrays = {f'leaf_{i:05d}': leaf for i, leaf in enumerate(leaves)}
     arrays['header'] = np.frombuffer(json.dumps(header).encode(), np.uint8)
     np.savez(path, **arrays)
-    result = run_script(algo, ['--epochs', '6', '--output-dir', out, '--seed', '3'], cache_dir)
+    result = run_script(algo, ['--epochs', '6', '--lr-decay-epochs', '5', '--output-dir', out, '--seed', '3'], cache_dir)
     assert_one_line_error(result, 'trainer step', 'epoch 5')
 
 
@@ -266,7 +283,7 @@ def test_truncated_checkpoint_is_reported_and_previous_survives(algo, reference_
     open(path, 'wb').write(data[:len(data) // 2])
     previous = os.path.join(out, 'checkpoint.prev.npz')
     previous_bytes = open(previous, 'rb').read()
-    result = run_script(algo, ['--epochs', '6', '--output-dir', out, '--seed', '3'], cache_dir)
+    result = run_script(algo, ['--epochs', '6', '--lr-decay-epochs', '5', '--output-dir', out, '--seed', '3'], cache_dir)
     assert result.returncode == 1
     assert_one_line_error(result, 'corrupt or truncated', 'checkpoint.prev.npz')
     assert open(previous, 'rb').read() == previous_bytes
