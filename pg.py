@@ -8,15 +8,27 @@ grid) and compiled once; Python only loops over epochs. Categorical policy for
 Discrete action spaces, Gaussian with a learned state-independent log-std for
 Box ones.
 
-Differs from Trax (SPEC §4), each on purpose: the default batch is every step
-collected this epoch (`--batch-size 0`) and a few gradient steps per epoch;
-`--batch-size 64 --train-steps-per-epoch 1` is Trax's sampled batch of
-length-1 slices with one step per epoch. The learning rate decays linearly to
-0 (Trax: `constant * linear_warmup * rsqrt_decay`, kept as `--lr-schedule`).
+Trax's semantics are all available as flags; the defaults differ where that
+makes `python pg.py` solve CartPole-v1 for every seed in 30 epochs (each one
+gradient step, as Trax): the batch is every step collected this epoch
+(`--batch-size 0`; `--batch-size 64` is Trax's sampling of length-1 slices, a
+uniform trajectory then a uniform step), 32 episodes per epoch, gamma 0.995,
+Adam without momentum (`--adam-b1 0`: with one step per epoch, momentum keeps
+pushing the direction of past policies' gradients and solved runs drift away)
+and b2 0.99, and a learning rate 1e-2 decaying linearly to 0 (Trax:
+`constant * linear_warmup * rsqrt_decay`).
+
+Episode ends. A time-limit truncation ends an episode like a termination:
+REINFORCE has no value to bootstrap from, so a truncated episode's return is
+the discounted sum of the rewards it observed (as Trax). With
+`--n-interactions-per-epoch`, an episode still running when an epoch's window
+closes is not trained on yet: its steps wait (in `State.tail`) and train in the
+epoch in which it ends, with its complete Monte-Carlo return.
 
     python pg.py --seed 0                 # CartPole-v1, greedy return 500
     python pg.py --num-seeds 8            # 8 seeds in one vmapped program
-    python pg.py --env Pendulum-v1 --lr 3e-3,1e-2 --num-seeds 4   # a grid x seeds
+    python pg.py --env Pendulum-v1 --gamma 0.95 --epochs 100 --lr 5e-3,1e-2 --num-seeds 4
+    python pg.py --env Acrobot-v1 --max-steps 1000 --eval-steps 500 --num-seeds 8
 """
 
 import dataclasses
@@ -35,7 +47,7 @@ import common
 @dataclasses.dataclass(frozen=True)
 class Config:
     env: str = common.option('CartPole-v1', 'gymnax env (Discrete or Box action space)')
-    epochs: int = common.option(40, 'total epochs of collect -> train -> evaluate')
+    epochs: int = common.option(30, 'total epochs of collect -> train -> evaluate')
     n_envs: int = common.option(16, 'parallel envs per run (n_interactions mode)')
     n_interactions_per_epoch: Optional[int] = common.option(
         None, 'instead: env steps per epoch and run; episodes carry over epochs and an '
@@ -44,7 +56,7 @@ class Config:
         32, 'complete fresh episodes per epoch and run (Trax CartPole test: 2)')
     max_steps: Optional[int] = common.option(None, 'episode cap (default: the env\'s limit)')
     train_steps_per_epoch: int = common.option(
-        4, 'gradient steps per epoch on this epoch\'s data (Trax: 1)')
+        1, 'gradient steps per epoch on this epoch\'s data (Trax: 1)')
     evals_per_epoch: int = common.option(1, 'trainer metric chunks per epoch (reporting only)')
     batch_size: int = common.option(
         0, '0: every collected step is the batch; B > 0: Trax\'s B length-1 slices per '
@@ -55,7 +67,14 @@ class Config:
         'multifactor factors: constant, linear_warmup, rsqrt_decay, decay_every, '
         'linear_decay (to 0 at the last step); Trax: constant * linear_warmup * rsqrt_decay')
     warmup_steps: int = common.option(400, 'linear_warmup / rsqrt_decay steps')
-    gamma: float = common.option(0.99, 'discount factor in (0, 1]', sweep=True)
+    lr_decay_epochs: Optional[int] = common.option(
+        None, 'linear_decay reaches 0 after this many epochs (default: --epochs); keep '
+        'it when resuming with a larger --epochs so the schedule does not change')
+    adam_b1: float = common.option(
+        0.0, 'Adam first-moment decay (Trax: 0.9); 0: no momentum carried across epochs, '
+        'each of which brings a fresh on-policy gradient', sweep=True)
+    adam_b2: float = common.option(0.99, 'Adam second-moment decay (Trax: 0.999)', sweep=True)
+    gamma: float = common.option(0.995, 'discount factor in (0, 1] (Trax: 0.99)', sweep=True)
     normalize_advantages: bool = common.option(
         True, 'A <- (A - mean A) / (std A + 1e-5) over the batch (Trax: on)')
     entropy_coefficient: float = common.option(
@@ -79,7 +98,7 @@ class Batch(NamedTuple):
     action: jax.Array
     returns: jax.Array  # Monte-Carlo discounted return from the step to its episode's end
     weight: jax.Array  # 1.0 for a step to train on, else 0.0
-    episode_length: jax.Array  # length of the step's episode inside the batch (sampling)
+    episode_length: jax.Array  # its episode's length in the batch; [0] unless batch_size > 0
 
 
 class Tail(NamedTuple):
@@ -111,6 +130,7 @@ class State(NamedTuple):
 # ---------------------------------------------------------------------------
 
 LOG_2PI = math.log(2 * math.pi)
+ROLLOUT_CHUNK = 50  # steps between checks that every episode of a rollout is over
 
 
 def categorical_log_prob(logits, action):
@@ -124,11 +144,12 @@ def categorical_entropy(logits):
     return -jnp.sum(jnp.exp(log_p) * log_p, axis=-1)
 
 
-def categorical_sample(key, logits, temperature):
-    """A sample of softmax(logits / T) (Gumbel-max, as Trax); T == 0: argmax."""
+def categorical_sample(noise, logits, temperature):
+    """Trax's Gumbel-max sample argmax(logits + T * gumbel), i.e. a sample of
+    softmax(logits / T); T == 0: argmax. `noise` is standard Gumbel, logits' shape."""
     if temperature == 0.0:
         return jnp.argmax(logits, axis=-1)
-    return jax.random.categorical(key, logits / temperature, axis=-1)
+    return jnp.argmax(logits + temperature * noise, axis=-1)
 
 
 def gaussian_log_prob(mean, log_std, action):
@@ -141,11 +162,11 @@ def gaussian_entropy(log_std):
     return jnp.sum(log_std + 0.5 * (LOG_2PI + 1.0), axis=-1)
 
 
-def gaussian_sample(key, mean, log_std, temperature):
-    """mean + T * std * noise; T == 0: the mean."""
+def gaussian_sample(noise, mean, log_std, temperature):
+    """mean + T * std * noise (`noise` standard normal); T == 0: the mean."""
     if temperature == 0.0:
         return mean
-    return mean + temperature * jnp.exp(log_std) * jax.random.normal(key, mean.shape)
+    return mean + temperature * jnp.exp(log_std) * noise
 
 
 def episode_returns(rewards, dones, valid, gamma):
@@ -211,13 +232,12 @@ def segment_lengths(done, weight):
 
 def sample_slices(key, weight, episode_length, batch_size):
     """Trax's batch: `batch_size` step indices, each drawn by picking an episode
-    uniformly and then one of its steps uniformly (p = 1 / (n_episodes * length))."""
-    n_episodes = jnp.sum(jnp.where(weight > 0, 1.0 / jnp.maximum(episode_length, 1.0), 0.0))
-    p = jnp.where(weight > 0, 1.0 / (jnp.maximum(episode_length, 1.0)
-                                     * jnp.maximum(n_episodes, 1e-8)), 0.0)
-    logits = jnp.where(p > 0, jnp.log(jnp.maximum(p, 1e-30)), -jnp.inf)
-    logits = jnp.where(jnp.any(p > 0), logits, 0.0)  # nothing to train on: any index
-    return jax.random.categorical(key, logits, shape=(batch_size,))
+    uniformly and then one of its steps uniformly (p = 1 / (n_episodes * length)),
+    by inverse CDF."""
+    p = jnp.where(weight > 0, 1.0 / jnp.maximum(episode_length, 1.0), 0.0)
+    cdf = jnp.cumsum(p)
+    u = jax.random.uniform(key, (batch_size,)) * cdf[-1]
+    return jnp.minimum(jnp.searchsorted(cdf, u, side='right'), weight.shape[0] - 1)
 
 
 # ---------------------------------------------------------------------------
@@ -258,7 +278,7 @@ def make_agent(config: Config) -> common.Agent:
         batch_rows, batch_length = n_envs, max_steps + steps
     batch_n = batch_rows * batch_length
     chunk_steps = config.train_steps_per_epoch // config.evals_per_epoch
-    total_train_steps = config.epochs * config.train_steps_per_epoch
+    total_train_steps = (config.lr_decay_epochs or config.epochs) * config.train_steps_per_epoch
 
     def policy(params, obs):
         """Distribution inputs: logits, or (mean, log_std) in env units."""
@@ -278,14 +298,20 @@ def make_agent(config: Config) -> common.Agent:
         flat = action.reshape(action.shape[:action.ndim - len(action_shape)] + (n_outputs,))
         return gaussian_log_prob(mean, log_std, flat), gaussian_entropy(log_std)
 
-    def act(key, params, obs, temperature):
+    def action_noise(key, shape):
+        """Standard Gumbel (discrete) or normal (Box) noise for `shape` actions."""
+        if kind == 'discrete':
+            return jax.random.gumbel(key, shape + (n_outputs,))
+        return jax.random.normal(key, shape + (n_outputs,))
+
+    def act(noise, params, obs, temperature):
         """(action to learn from, action for the env): a Box action is clipped to
         its bounds for the env only; the log-prob is of the sampled action."""
         inputs = policy(params, obs)
         if kind == 'discrete':
-            action = categorical_sample(key, inputs, temperature)
+            action = categorical_sample(noise, inputs, temperature)
             return action, action
-        action = gaussian_sample(key, *inputs, temperature)
+        action = gaussian_sample(noise, *inputs, temperature)
         action = action.reshape(action.shape[:-1] + action_shape)
         return action, jnp.clip(action, low, high)
 
@@ -293,7 +319,8 @@ def make_agent(config: Config) -> common.Agent:
         schedule = common.multifactor(config.lr_schedule, constant=hp['lr'],
                                       warmup_steps=config.warmup_steps,
                                       total_steps=total_train_steps)
-        return optax.chain(optax.scale_by_adam(), optax.scale_by_schedule(lambda s: -schedule(s)))
+        return optax.chain(optax.scale_by_adam(b1=hp['adam_b1'], b2=hp['adam_b2']),
+                           optax.scale_by_schedule(lambda s: -schedule(s)))
 
     def env_step(keys, env_state, action):
         return jax.vmap(env.step, in_axes=(0, 0, 0, None))(keys, env_state, action, env_params)
@@ -306,12 +333,12 @@ def make_agent(config: Config) -> common.Agent:
         With `one_episode`, each env plays until its first done (later steps invalid)."""
         count = episode_return.shape[0]
 
-        def step(carry, step_key):
+        def step(carry, xs):
             obs, env_state, episode_return, active = carry
-            act_key, env_key = jax.random.split(step_key)
-            action, env_action = act(act_key, params, obs, temperature)
+            noise, env_keys = xs
+            action, env_action = act(noise, params, obs, temperature)
             next_obs, env_state, reward, terminated, truncated, _ = env_step(
-                jax.random.split(env_key, count), env_state, env_action)
+                env_keys, env_state, env_action)
             reward = reward.astype(jnp.float32)
             done = terminated | truncated
             episode_return = episode_return + jnp.where(active, reward, 0.0)
@@ -324,8 +351,50 @@ def make_agent(config: Config) -> common.Agent:
                 active = active & ~done
             return (next_obs, env_state, episode_return, active), record
 
+        # All randomness drawn up front in two calls: each random op compiles
+        # into its own code, and on CPU that compile time dominates short runs.
+        noise_key, env_key = jax.random.split(key)
         carry = (obs, env_state, episode_return, jnp.ones(count, bool))
-        carry, records = jax.lax.scan(step, carry, jax.random.split(key, length))
+        if not one_episode:  # episodes continue: every step is needed
+            noise = action_noise(noise_key, (length, count))
+            env_keys = jax.random.split(env_key, length * count).reshape(length, count, -1)
+            return jax.lax.scan(step, carry, (noise, env_keys))
+        # One episode per env: play in chunks and stop once every env is done
+        # (most of max_steps while the policy is still poor). Records of chunks
+        # never played stay zero, i.e. invalid steps.
+        chunk = min(length, ROLLOUT_CHUNK)
+        n_chunks = -(-length // chunk)
+        noise = action_noise(noise_key, (n_chunks, chunk, count))
+        env_keys = jax.random.split(env_key, n_chunks * chunk * count).reshape(
+            n_chunks, chunk, count, -1)
+        in_horizon = (jnp.arange(n_chunks * chunk) < length).reshape(n_chunks, chunk)
+
+        def play_chunk(carry, xs):
+            noise, env_keys, in_horizon = xs
+
+            def masked_step(carry, xs):
+                *rest, active = carry
+                noise, env_keys, ok = xs
+                return step((*rest, active & ok), (noise, env_keys))
+
+            return jax.lax.scan(masked_step, carry, (noise, env_keys, in_horizon))
+
+        shapes = jax.eval_shape(play_chunk, carry, (noise[0], env_keys[0], in_horizon[0]))[1]
+        records = jax.tree.map(lambda x: jnp.zeros((n_chunks,) + x.shape, x.dtype), shapes)
+
+        def body(loop):
+            i, carry, records = loop
+            carry, chunk_records = play_chunk(carry, (noise[i], env_keys[i], in_horizon[i]))
+            records = jax.tree.map(lambda r, c: r.at[i].set(c), records, chunk_records)
+            return i + 1, carry, records
+
+        def more(loop):
+            i, (_, _, _, active), _ = loop
+            return (i < n_chunks) & jnp.any(active)
+
+        _, carry, records = jax.lax.while_loop(more, body, (0, carry, records))
+        records = jax.tree.map(lambda x: x.reshape((n_chunks * chunk,) + x.shape[2:])[:length],
+                               records)
         return carry, records
 
     def empty_batch():
@@ -335,7 +404,7 @@ def make_agent(config: Config) -> common.Agent:
         return Batch(obs=jnp.zeros((batch_n,) + obs_shape, obs_dtype),
                      action=jnp.zeros((batch_n,) + action_shape, action_dtype),
                      returns=jnp.zeros(batch_n), weight=jnp.zeros(batch_n),
-                     episode_length=jnp.ones(batch_n))
+                     episode_length=jnp.ones(batch_n if config.batch_size else 0))
 
     def init(key, hp):
         net_key, env_key, key = jax.random.split(key, 3)
@@ -343,7 +412,11 @@ def make_agent(config: Config) -> common.Agent:
                                          last_scale=0.01)}
         if kind == 'box':
             params['log_std'] = jnp.full((n_outputs,), hp['init_log_std'])
-        obs, env_state = env_reset(env_key, n_envs)
+        if trajectories:  # collect resets every epoch: placeholders of the right shape
+            obs, env_state = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype),
+                                          jax.eval_shape(lambda k: env_reset(k, n_envs), env_key))
+        else:
+            obs, env_state = env_reset(env_key, n_envs)
         batch = empty_batch()
         tail = None
         if not trajectories:
@@ -390,7 +463,8 @@ def make_agent(config: Config) -> common.Agent:
         batch = Batch(obs=data['obs'].reshape((batch_n,) + obs_shape),
                       action=data['action'].reshape((batch_n,) + action_shape),
                       returns=returns.reshape(batch_n), weight=weight.reshape(batch_n),
-                      episode_length=segment_lengths(done, weight).reshape(batch_n))
+                      episode_length=segment_lengths(done, weight).reshape(batch_n)
+                      if config.batch_size else state.batch.episode_length)
 
         n_finished = rec['finished'].sum()
         new_interactions = rec['valid'].sum()
@@ -484,7 +558,8 @@ def check_config(config: Config):
     positive = ['epochs', 'n_envs', 'train_steps_per_epoch', 'evals_per_epoch',
                 'checkpoint_every', 'warmup_steps']
     positive += [name for name in ('n_trajectories_per_epoch', 'n_interactions_per_epoch',
-                                   'max_steps') if getattr(config, name) is not None]
+                                   'max_steps', 'lr_decay_epochs')
+                 if getattr(config, name) is not None]
     for name in positive:
         if getattr(config, name) < 1:
             raise error(f'--{name.replace("_", "-")} must be >= 1, got {getattr(config, name)}')
@@ -516,6 +591,10 @@ def check_hyperparameters(config, runs):
         if run['entropy_coefficient'] < 0:
             raise common.UsageError(
                 f'--entropy-coefficient must be >= 0, got {run["entropy_coefficient"]}')
+        for name in ('adam_b1', 'adam_b2'):
+            if not 0 <= run[name] < 1:
+                raise common.UsageError(f'--{name.replace("_", "-")} must be in [0, 1), '
+                                        f'got {run[name]}')
         if not math.isfinite(run['init_log_std']):
             raise common.UsageError(f'--init-log-std must be finite, got {run["init_log_std"]}')
 
@@ -528,9 +607,13 @@ def main(argv=None):
         check_hyperparameters(config, common.expand_runs(config, grid, args.seed, 1))
     except common.UsageError as error:
         parser.error(str(error))
-    # Threefry's "partitionable" form (JAX's default) takes several times longer
-    # to compile under vmap on CPU, which here is most of a short run's wall time.
-    with jax.threefry_partitionable(False):
+    # XLA's own RNG (unsafe_rbg) compiles in a fraction of threefry's time on
+    # CPU, where compiling is most of a short run's wall time. Same seed and
+    # flags, same numbers; a seed alone and within a vmapped sweep may differ.
+    import os, contextlib
+    v = os.environ.get('PGRNG', 'urbg')
+    ctx = jax.default_prng_impl('unsafe_rbg') if v == 'urbg' else jax.threefry_partitionable(False) if v == 'np' else contextlib.nullcontext()
+    with ctx:
         return common.run_experiment(make_agent, config, grid, args, 'pg.py')
 
 

@@ -1,0 +1,553 @@
+"""pg.py: REINFORCE pieces against hand computations, probe environments with a
+known best action, the cut-off rule of n_interactions mode, seeds, determinism,
+CartPole-v1 learning and one epoch on every registered gymnax env."""
+
+import json
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import struct
+import gymnax
+from gymnax.environments import environment, spaces
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import common  # noqa: E402
+import pg  # noqa: E402
+
+# The gymnax envs before this file registers its probes.
+GYMNAX_ENVS = [name for name in gymnax.registered_envs if not name.startswith('PgProbe')]
+
+
+# ---------------------------------------------------------------------------
+# Probe environments (gymnax-style), registered under PgProbe-* names.
+# ---------------------------------------------------------------------------
+
+
+@struct.dataclass
+class ProbeState(environment.EnvState):
+    time: int
+    target: jax.Array
+
+
+@struct.dataclass
+class ProbeParams(environment.EnvParams):
+    max_steps_in_episode: int = 1
+
+
+class OneStep(environment.Environment):
+    """Constant observation, 3 actions, one step; action 2 pays 1, others 0."""
+
+    @property
+    def default_params(self):
+        return ProbeParams()
+
+    def step_env(self, key, state, action, params):
+        reward = (action == 2).astype(jnp.float32)
+        state = state.replace(time=state.time + 1)
+        return self.get_obs(state), state, reward, jnp.array(True), {}
+
+    def reset_env(self, key, params):
+        state = ProbeState(time=0, target=jnp.int32(0))
+        return self.get_obs(state), state
+
+    def get_obs(self, state, params=None, key=None):
+        return jnp.ones(2)
+
+    def is_terminated(self, state, params):
+        return jnp.array(True)
+
+    def action_space(self, params=None):
+        return spaces.Discrete(3)
+
+    def observation_space(self, params):
+        return spaces.Box(0.0, 1.0, (2,), jnp.float32)
+
+
+class Match(OneStep):
+    """One step; the observation one-hot encodes a random target in {0, 1}, and
+    choosing that action pays 1 (the best action depends on the observation)."""
+
+    def step_env(self, key, state, action, params):
+        reward = (action == state.target).astype(jnp.float32)
+        return self.get_obs(state), state.replace(time=state.time + 1), reward, \
+            jnp.array(True), {}
+
+    def reset_env(self, key, params):
+        state = ProbeState(time=0, target=jax.random.bernoulli(key).astype(jnp.int32))
+        return self.get_obs(state), state
+
+    def get_obs(self, state, params=None, key=None):
+        return jax.nn.one_hot(state.target, 2)
+
+    def action_space(self, params=None):
+        return spaces.Discrete(2)
+
+
+class Countdown(OneStep):
+    """Episodes of exactly 5 steps (terminated, not truncated); step t (0-based)
+    pays t + 1, so each step's return identifies it. The time limit is 100."""
+    length = 5
+
+    @property
+    def default_params(self):
+        return ProbeParams(max_steps_in_episode=100)
+
+    def step_env(self, key, state, action, params):
+        state = state.replace(time=state.time + 1)
+        reward = state.time.astype(jnp.float32)
+        return self.get_obs(state), state, reward, state.time >= self.length, {}
+
+    def get_obs(self, state, params=None, key=None):
+        return jnp.array([state.time / self.length, 1.0])
+
+    def is_terminated(self, state, params):
+        return state.time >= self.length
+
+    def action_space(self, params=None):
+        return spaces.Discrete(2)
+
+
+class BoxTarget(OneStep):
+    """One step, a Box(-1, 1) action; reward -(a - 0.5)^2 of the action the env gets."""
+
+    def step_env(self, key, state, action, params):
+        reward = self.reward(action)
+        return self.get_obs(state), state.replace(time=state.time + 1), reward, \
+            jnp.array(True), {}
+
+    def reward(self, action):
+        return -jnp.sum((action - 0.5) ** 2)
+
+    def action_space(self, params=None):
+        return spaces.Box(-1.0, 1.0, (1,), jnp.float32)
+
+
+class BoxEcho(BoxTarget):
+    """The reward is the action the env received, so clipping is visible."""
+
+    def reward(self, action):
+        return jnp.sum(action)
+
+
+PROBES = {'PgProbe-OneStep': OneStep, 'PgProbe-Match': Match, 'PgProbe-Countdown': Countdown,
+          'PgProbe-BoxTarget': BoxTarget, 'PgProbe-BoxEcho': BoxEcho}
+for _name, _factory in PROBES.items():
+    if _name not in gymnax.registered_envs:
+        gymnax.registration.register(_name, _factory)
+
+
+# Small programs: compiling dominates their run time, so compile them for speed
+# of compiling (unoptimised code is fine for a few tiny epochs).
+FAST_COMPILE = {'xla_backend_optimization_level': 0, 'xla_cpu_use_fusion_emitters': False}
+
+
+def run_phases(config, seeds=(0,), epochs=1, hp=None):
+    """Drive make_agent's phases with jit(vmap) over seeds, as the driver does."""
+    agent = pg.make_agent(config)
+    runs = common.expand_runs(config, {}, seeds[0], len(seeds))
+    hp = common.hyperparameters(config, runs) if hp is None else hp
+    keys = jnp.stack([jax.random.PRNGKey(seed) for seed in seeds])
+    state = jax.jit(jax.vmap(agent.init)).lower(keys, hp).compile(FAST_COMPILE)(keys, hp)
+    phases = {name: jax.jit(jax.vmap(getattr(agent, name))).lower(hp, state).compile(FAST_COMPILE)
+              for name in ('collect', 'train', 'evaluate')}
+    history = []
+    for _ in range(epochs):
+        metrics = {}
+        for name in ('collect', 'train', 'evaluate'):
+            state, m = phases[name](hp, state)
+            metrics.update(m)
+        history.append(jax.device_get(metrics))
+    return agent, state, history, phases, hp
+
+
+def probe_config(env, **overrides):
+    values = dict(env=env, epochs=30, n_trajectories_per_epoch=16, hidden_sizes=(16,),
+                  lr=0.05, lr_schedule='constant', n_eval_episodes=16)
+    values.update(overrides)
+    return pg.Config(**values)
+
+
+# ---------------------------------------------------------------------------
+# The loss and its pieces.
+# ---------------------------------------------------------------------------
+
+
+def test_loss_gradient_equals_hand_computed_reinforce_gradient():
+    # A linear softmax policy logits = x W + b (an MLP with no hidden layer).
+    rng = np.random.default_rng(0)
+    n, d, k = 7, 3, 4
+    x = rng.normal(size=(n, d)).astype(np.float32)
+    actions = rng.integers(0, k, size=n)
+    returns = rng.normal(size=n).astype(np.float32) * 3
+    weight = np.array([1, 1, 0, 1, 1, 0, 1], np.float32)
+    params = common.init_mlp(jax.random.PRNGKey(1), [d, k], last_scale=1.0)
+    params[0]['b'] = jnp.asarray(rng.normal(size=k), jnp.float32)
+
+    def loss(params):
+        adv, _ = pg.advantages(jnp.asarray(returns), jnp.asarray(weight), normalize=False)
+        log_probs = pg.categorical_log_prob(common.mlp(params, x), jnp.asarray(actions))
+        return pg.reinforce_loss(log_probs, adv, jnp.asarray(weight))
+
+    grads = jax.grad(loss)(params)[0]
+    # By hand: dL/dlogits_i = -(w_i / sum w) A_i (onehot(a_i) - softmax_i), A = G - mean G.
+    w_np, b_np = np.asarray(params[0]['w']), np.asarray(params[0]['b'])
+    logits = x @ w_np + b_np
+    probs = np.exp(logits - logits.max(1, keepdims=True))
+    probs /= probs.sum(1, keepdims=True)
+    adv = returns - (returns * weight).sum() / weight.sum()
+    dlogits = -(weight * adv / weight.sum())[:, None] * (np.eye(k)[actions] - probs)
+    np.testing.assert_allclose(grads['w'], x.T @ dlogits, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(grads['b'], dlogits.sum(0), rtol=1e-5, atol=1e-6)
+
+
+def test_train_step_follows_the_reinforce_gradient():
+    """The agent's train phase on a hand-made batch: with Adam (b1 0, bias
+    corrected) the first update is -lr * g / (|g| + eps), g the hand gradient of
+    -(1/N) sum A_hat log pi with normalised advantages."""
+    config = pg.Config(env='PgProbe-Match', epochs=1, n_trajectories_per_epoch=4,
+                       hidden_sizes=(), lr=0.01, lr_schedule='constant',
+                       normalize_advantages=True, n_eval_episodes=0)
+    agent = pg.make_agent(config)
+    hp = {name: jnp.asarray(value, jnp.float32)
+          for name, value in common.expand_runs(config, {}, 0, 1)[0].items() if name != 'seed'}
+    state = agent.init(jax.random.PRNGKey(0), hp)
+    obs = jnp.asarray([[1., 0.], [0., 1.], [0., 1.], [1., 0.]])
+    action = jnp.asarray([0, 0, 1, 1])
+    returns = jnp.asarray([1.0, 0.0, 1.0, 0.0])
+    batch = pg.Batch(obs=obs, action=action, returns=returns, weight=jnp.ones(4),
+                     episode_length=state.batch.episode_length)
+    net = [{'w': jnp.asarray([[1.0, -0.5], [0.3, 0.8]]), 'b': jnp.asarray([0.1, -0.2])}]
+    state = state._replace(batch=batch, params={'net': net})
+    new_state, metrics = agent.train(hp, state)
+
+    w = np.asarray(state.params['net'][0]['w'])
+    b = np.asarray(state.params['net'][0]['b'])
+    logits = np.asarray(obs) @ w + b
+    probs = np.exp(logits) / np.exp(logits).sum(1, keepdims=True)
+    adv = np.asarray(returns) - 0.5
+    adv = (adv - adv.mean()) / (adv.std() + 1e-5)
+    dlogits = -(adv / 4)[:, None] * (np.eye(2)[np.asarray(action)] - probs)
+    grad_w = np.asarray(obs).T @ dlogits
+    expected = w - 0.01 * grad_w / (np.abs(grad_w) + 1e-8)
+    np.testing.assert_allclose(new_state.params['net'][0]['w'], expected, rtol=1e-4, atol=1e-6)
+    assert int(new_state.train_step) == 1 and int(new_state.epoch) == 1
+    log_p = np.log(probs[np.arange(4), np.asarray(action)])
+    np.testing.assert_allclose(metrics['metrics/policy_loss'], -(adv * log_p).mean(), rtol=1e-5)
+
+
+def test_categorical_log_prob_entropy_and_temperature():
+    logits = jnp.asarray([[2.0, 0.5, -1.0], [0.0, 0.0, 3.0]])
+    probs = np.exp(logits) / np.exp(logits).sum(1, keepdims=True)
+    np.testing.assert_allclose(pg.categorical_log_prob(logits, jnp.asarray([1, 2])),
+                               np.log([probs[0, 1], probs[1, 2]]), rtol=1e-6)
+    np.testing.assert_allclose(pg.categorical_entropy(logits),
+                               -(probs * np.log(probs)).sum(1), rtol=1e-6)
+    noise = jax.random.gumbel(jax.random.PRNGKey(0), (40000, 3))
+    # T = 0: argmax, whatever the noise.
+    np.testing.assert_array_equal(pg.categorical_sample(noise, logits[0], 0.0), 0)
+    # T > 0: the frequencies of softmax(logits / T).
+    for temperature in (1.0, 0.5, 2.0):
+        samples = np.asarray(pg.categorical_sample(noise, logits[0], temperature))
+        target = np.exp(logits[0] / temperature)
+        target = target / target.sum()
+        np.testing.assert_allclose(np.bincount(samples, minlength=3) / len(samples), target,
+                                   atol=0.01)
+
+
+def test_gaussian_log_prob_entropy_and_temperature():
+    mean = jnp.asarray([0.5, -1.0])
+    log_std = jnp.asarray([0.0, np.log(0.3)])
+    action = jnp.asarray([1.5, -0.4])
+    std = np.exp(np.asarray(log_std))
+    expected = np.sum(-0.5 * ((np.asarray(action) - mean) / std) ** 2 - np.log(std)
+                      - 0.5 * np.log(2 * np.pi))
+    np.testing.assert_allclose(pg.gaussian_log_prob(mean, log_std, action), expected, rtol=1e-6)
+    np.testing.assert_allclose(pg.gaussian_entropy(log_std),
+                               np.sum(0.5 * np.log(2 * np.pi * np.e * std ** 2)), rtol=1e-6)
+    noise = jax.random.normal(jax.random.PRNGKey(0), (40000, 2))
+    np.testing.assert_array_equal(pg.gaussian_sample(noise, mean, log_std, 0.0), mean)
+    for temperature in (1.0, 0.5):
+        samples = np.asarray(pg.gaussian_sample(noise, mean, log_std, temperature))
+        np.testing.assert_allclose(samples.mean(0), mean, atol=0.02)
+        np.testing.assert_allclose(samples.std(0), temperature * std, rtol=0.03)
+
+
+def test_baseline_is_the_mean_return_and_normalisation_ignores_padding():
+    returns = jnp.asarray([3.0, 1.0, 2.0, 100.0, 6.0])
+    weight = jnp.asarray([1.0, 1.0, 1.0, 0.0, 1.0])  # the 100 is padding
+    adv, baseline = pg.advantages(returns, weight, normalize=False)
+    assert float(baseline) == pytest.approx(3.0)  # Trax's _value_fn: mean return
+    np.testing.assert_allclose(adv, np.asarray(returns) - 3.0)
+    adv, _ = pg.advantages(returns, weight, normalize=True)
+    valid = np.asarray(adv)[np.asarray(weight) > 0]
+    raw = np.array([3.0, 1.0, 2.0, 6.0]) - 3.0
+    np.testing.assert_allclose(valid, (raw - raw.mean()) / (raw.std() + 1e-5), rtol=1e-5)
+    assert valid.mean() == pytest.approx(0.0, abs=1e-6)
+    assert valid.std() == pytest.approx(1.0, abs=1e-4)
+
+
+def test_episode_returns_match_a_loop_and_never_cross_episodes():
+    rng = np.random.default_rng(3)
+    rewards = rng.normal(size=(4, 9)).astype(np.float32)
+    dones = rng.random((4, 9)) < 0.3
+    valid = np.ones((4, 9), bool)
+    valid[1, 6:] = False  # padding after an episode that ended at step 5
+    dones[1, 5] = True
+    gamma = 0.9
+    expected = np.zeros_like(rewards)
+    for row in range(4):
+        future = 0.0
+        for t in reversed(range(9)):
+            if not valid[row, t]:
+                future = 0.0
+                continue
+            future = rewards[row, t] + (0.0 if dones[row, t] else gamma * future)
+            expected[row, t] = future
+    got = pg.episode_returns(jnp.asarray(rewards), jnp.asarray(dones), jnp.asarray(valid), gamma)
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+    # A truncated episode (done at the cap, no bootstrap): the discounted sum of
+    # the rewards it observed.
+    got = pg.episode_returns(jnp.ones((1, 3)), jnp.asarray([[False, False, True]]),
+                             jnp.ones((1, 3), bool), 0.5)
+    np.testing.assert_allclose(got, [[1.75, 1.5, 1.0]])
+
+
+# ---------------------------------------------------------------------------
+# Collection: trajectories, clipping, the cut-off rule of interactions mode.
+# ---------------------------------------------------------------------------
+
+
+def test_trajectory_mode_collects_whole_episodes_and_masks_the_rest():
+    config = pg.Config(env='PgProbe-Countdown', epochs=1, n_trajectories_per_epoch=3,
+                       max_steps=8, gamma=1.0, hidden_sizes=(4,), n_eval_episodes=0)
+    agent, state, (metrics,), _, _ = run_phases(config)
+    batch = jax.tree.map(lambda x: np.asarray(x[0]), state.batch)
+    returns = batch.returns.reshape(3, 8)
+    weight = batch.weight.reshape(3, 8)
+    np.testing.assert_array_equal(weight, [[1] * 5 + [0] * 3] * 3)
+    np.testing.assert_allclose(returns[:, :5], [[15, 14, 12, 9, 5]] * 3)
+    assert float(metrics['rl/avg_return'][0]) == 15.0
+    assert int(metrics['rl/new_interactions'][0]) == 15
+    assert int(metrics['rl/n_interactions'][0]) == 15
+    assert int(metrics['rl/n_trajectories'][0]) == 3
+
+
+def test_interactions_mode_an_unfinished_episode_waits_for_the_epoch_it_ends_in():
+    """Cut-off rule: steps of an episode still running when the epoch's window
+    closes are not trained on (their return is unknown); they are carried over
+    and train, with their full Monte-Carlo return, in the epoch the episode ends.
+    Countdown episodes last 5 steps; each epoch plays 3 steps per env."""
+    config = pg.Config(env='PgProbe-Countdown', epochs=3, n_envs=2,
+                       n_interactions_per_epoch=6, n_trajectories_per_epoch=None,
+                       gamma=1.0, hidden_sizes=(4,), n_eval_episodes=0)
+    agent, state, history, phases, hp = run_phases(config, epochs=0)
+
+    def batch_rows(state):
+        batch = jax.tree.map(lambda x: np.asarray(x[0]), state.batch)
+        length = 100 + 3  # the env's time limit (the tail's room) + this epoch's steps
+        return batch.returns.reshape(2, length), batch.weight.reshape(2, length)
+
+    state, m1 = phases['collect'](hp, state)  # steps 1-3 of the first episodes
+    returns, weight = batch_rows(state)
+    assert weight.sum() == 0  # nothing finished: nothing to train on yet
+    assert np.isnan(m1['rl/avg_return'][0]) and int(m1['rl/n_trajectories'][0]) == 0
+    np.testing.assert_array_equal(np.asarray(state.tail.valid[0]).sum(1), [3, 3])
+    state, _ = phases['train'](hp, state)
+
+    state, m2 = phases['collect'](hp, state)  # steps 4-5 end them, step 1 of the next
+    returns, weight = batch_rows(state)
+    np.testing.assert_array_equal(weight.sum(1), [5, 5])
+    # The 3 carried steps and the 2 new ones, with the whole episode's returns.
+    np.testing.assert_allclose(returns[:, weight[0] > 0], [[15, 14, 12, 9, 5]] * 2)
+    assert float(m2['rl/avg_return'][0]) == 15.0 and int(m2['rl/n_trajectories'][0]) == 2
+    np.testing.assert_array_equal(np.asarray(state.tail.valid[0]).sum(1), [1, 1])
+    assert int(m2['rl/n_interactions'][0]) == 12 and int(m2['rl/new_interactions'][0]) == 6
+    state, _ = phases['train'](hp, state)
+
+    state, m3 = phases['collect'](hp, state)  # steps 2-4 of the second episodes
+    returns, weight = batch_rows(state)
+    assert weight.sum() == 0
+    np.testing.assert_array_equal(np.asarray(state.tail.valid[0]).sum(1), [4, 4])
+
+
+def test_cut_at_last_done():
+    done = jnp.asarray([[0, 1, 0, 0, 1, 0], [0, 0, 0, 0, 0, 0]], bool)
+    valid = jnp.asarray([[0, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]], bool)
+    finished, waiting = pg.cut_at_last_done(done, valid)
+    np.testing.assert_array_equal(finished, [[0, 1, 1, 1, 1, 0], [0] * 6])
+    np.testing.assert_array_equal(waiting, [[0, 0, 0, 0, 0, 1], [1] * 6])
+
+
+def test_box_actions_are_clipped_for_the_env_but_learned_unclipped():
+    # A huge initial std: most sampled actions fall outside [-1, 1].
+    config = pg.Config(env='PgProbe-BoxEcho', epochs=1, n_trajectories_per_epoch=64,
+                       hidden_sizes=(4,), init_log_std=2.0, n_eval_episodes=0)
+    agent, state, (metrics,), _, _ = run_phases(config)
+    actions = np.asarray(state.batch.action[0, :, 0])
+    rewards = np.asarray(state.batch.returns[0])  # one-step episodes: return = reward
+    assert np.mean(np.abs(actions) > 1) > 0.5
+    np.testing.assert_allclose(rewards, np.clip(actions, -1, 1), rtol=1e-6)
+
+
+# ---------------------------------------------------------------------------
+# Probe environments: the policy must find the known best action.
+# ---------------------------------------------------------------------------
+
+
+def test_one_step_probe_converges_to_the_better_action():
+    config = probe_config('PgProbe-OneStep')
+    agent, state, history, _, _ = run_phases(config, epochs=config.epochs)
+    key = common.eval_key(0.0, 1)
+    assert float(history[-1][key][0]) == 1.0
+    assert float(history[0]['rl/avg_return'][0]) < 0.6  # it started near uniform
+    logits = common.mlp(jax.tree.map(lambda x: x[0], state.params['net']), jnp.ones(2))
+    assert float(jax.nn.softmax(logits)[2]) > 0.95
+
+
+def test_observation_dependent_probe_converges_to_the_best_action_per_state():
+    config = probe_config('PgProbe-Match', epochs=40)
+    agent, state, history, _, _ = run_phases(config, epochs=config.epochs)
+    assert float(history[-1][common.eval_key(0.0, 1)][0]) == 1.0
+    net = jax.tree.map(lambda x: x[0], state.params['net'])
+    probs = jax.nn.softmax(common.mlp(net, jnp.eye(2)), axis=-1)
+    assert float(probs[0, 0]) > 0.9 and float(probs[1, 1]) > 0.9
+
+
+def test_gaussian_probe_converges_to_the_best_continuous_action():
+    config = probe_config('PgProbe-BoxTarget', epochs=60, n_trajectories_per_epoch=64,
+                          init_log_std=-0.5)
+    agent, state, history, _, _ = run_phases(config, epochs=config.epochs)
+    net = jax.tree.map(lambda x: x[0], state.params['net'])
+    mean = float(common.mlp(net, jnp.ones(2))[0])  # Box(-1, 1): centre 0, half-width 1
+    assert mean == pytest.approx(0.5, abs=0.1)
+    assert float(history[-1][common.eval_key(0.0, 1)][0]) > -0.01
+    assert float(state.params['log_std'][0, 0]) < -0.5  # it grew more certain
+
+
+# ---------------------------------------------------------------------------
+# The CLI: seeds, determinism, learning, errors.
+# ---------------------------------------------------------------------------
+
+SMALL = ['--n-trajectories-per-epoch', '4', '--max-steps', '50', '--n-eval-episodes', '4',
+         '--hidden-sizes', '16', '--quiet']
+
+
+@pytest.fixture(scope='module')
+def cache(tmp_path_factory):
+    """pg.main's persistent compile cache: a temp dir, not ~/.cache."""
+    return ['--compile-cache', str(tmp_path_factory.mktemp('xla_cache'))]
+
+
+def read_metrics(path):
+    return [json.loads(line) for line in open(os.path.join(path, 'metrics.jsonl'))]
+
+
+def checkpoint_params(path):
+    header, leaves = common._read_checkpoint(os.path.join(path, 'checkpoint.npz'))
+    return [leaf for name, leaf in zip(header['paths'], leaves) if name.startswith('.params')]
+
+
+def test_num_seeds_give_different_trajectories_and_parameters(tmp_path, cache):
+    out = str(tmp_path / 'seeds')
+    pg.main(['--num-seeds', '3', '--epochs', '2', '--output-dir', out, *SMALL, *cache])
+    records = read_metrics(out)
+    assert sorted({r['seed'] for r in records}) == [0, 1, 2]
+    epoch1 = [r for r in records if r['epoch'] == 1]
+    assert len({r['rl/n_interactions'] for r in epoch1}) == 3  # different episodes
+    for leaf in checkpoint_params(out):
+        assert leaf.shape[0] == 3
+        assert not np.allclose(leaf[0], leaf[1]) and not np.allclose(leaf[1], leaf[2])
+
+
+def test_same_seed_and_flags_give_identical_results(tmp_path, cache):
+    outs = [str(tmp_path / name) for name in ('a', 'b')]
+    for out in outs:
+        pg.main(['--seed', '5', '--epochs', '3', '--output-dir', out, *SMALL, *cache])
+    strip = lambda records: [{k: v for k, v in r.items() if not k.startswith('timing/')
+                              and k != 'rl/n_interactions_per_second'} for r in records]
+    assert strip(read_metrics(outs[0])) == strip(read_metrics(outs[1]))
+    for a, b in zip(checkpoint_params(outs[0]), checkpoint_params(outs[1])):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_defaults_solve_cartpole(tmp_path, cache):
+    """`python pg.py --seed 0`: the default config reaches greedy >= 475 on CartPole-v1."""
+    out = str(tmp_path / 'cartpole')
+    metrics = pg.main(['--seed', '0', '--output-dir', out, '--quiet', *cache])
+    key = common.eval_key(0.0, 500)
+    assert float(metrics[key][0]) >= 475
+    summary = json.load(open(os.path.join(out, 'summary.json')))
+    assert summary['algorithm'] == 'pg' and summary['final_eval_key'] == key
+    assert summary['final_eval_return'][0] >= 475
+    records = read_metrics(out)
+    assert records[0][key] < 200  # it learned, it did not start there
+    assert {'rl/avg_return', 'rl/n_interactions', 'rl/n_trajectories', 'metrics/policy_loss',
+            'metrics/entropy', 'timing/collect'} <= set(records[-1])
+
+
+@pytest.mark.parametrize('argv, message', [
+    (['--env', 'NoSuchEnv-v0'], 'CartPole-v1'),
+    (['--n-interactions-per-epoch', '64'], 'exactly one of'),
+    (['--n-trajectories-per-epoch', 'none'], 'exactly one of'),
+    (['--gamma', '1.5'], '--gamma'),
+    (['--lr', 'abc'], '--lr'),
+    (['--adam-b2', '1'], '--adam-b2'),
+])
+def test_bad_input_exits_2_with_one_line(argv, message, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        pg.main([*argv, '--output-dir', str(tmp_path / 'bad'), '--quiet'])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and message in err
+
+
+def test_help_documents_every_field(capsys):
+    with pytest.raises(SystemExit):
+        pg.main(['--help'])
+    out = capsys.readouterr().out
+    import dataclasses
+    for field in dataclasses.fields(pg.Config):
+        assert '--' + field.name.replace('_', '-') in out
+        assert field.metadata['help']
+
+
+# ---------------------------------------------------------------------------
+# One epoch on every registered gymnax env.
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize('env_name', GYMNAX_ENVS)
+def test_one_epoch_on_every_gymnax_env(env_name):
+    config = pg.Config(env=env_name, epochs=1, n_trajectories_per_epoch=2, max_steps=8,
+                       hidden_sizes=(8,), n_eval_episodes=2, eval_steps=(8,))
+    try:
+        agent = pg.make_agent(config)
+    except common.UsageError as error:
+        if env_name == 'MNISTBandit-bsuite':
+            pytest.skip(f'MNISTBandit-bsuite downloads its data: {error}')
+        raise
+    hp = common.hyperparameters(config, common.expand_runs(config, {}, 0, 1))
+
+    def epoch(keys, hp):
+        state = jax.vmap(agent.init)(keys, hp)
+        state, collected = jax.vmap(agent.collect)(hp, state)
+        state, trained = jax.vmap(agent.train)(hp, state)
+        state, evaluated = jax.vmap(agent.evaluate)(hp, state)
+        return state, {**collected, **trained, **evaluated}
+
+    with jax.default_prng_impl('unsafe_rbg'):  # as pg.main: faster to compile
+        keys = jax.random.PRNGKey(0)[None]
+        program = jax.jit(epoch).lower(keys, hp).compile(FAST_COMPILE)
+        state, metrics = program(keys, hp)
+    assert 1 <= int(metrics['rl/new_interactions'][0]) <= 16
+    assert int(metrics['rl/n_trajectories'][0]) == 2
+    assert np.isfinite(float(metrics['metrics/policy_loss'][0]))
+    assert np.isfinite(float(metrics[common.eval_key(0.0, 8)][0]))
+    assert all(np.all(np.isfinite(leaf)) for leaf in jax.tree.leaves(state.params))
+    assert int(state.train_step[0]) == 1
