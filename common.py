@@ -182,7 +182,10 @@ def make_env(name, max_steps=None):
     if max_steps is not None:
         if not hasattr(env_params, 'max_steps_in_episode'):
             raise UsageError(f'env {name} has no episode time limit to set')
-        env_params = env_params.replace(max_steps_in_episode=int(max_steps))
+        # Keep the field's type: BernoulliBandit-misc's limit is a float, and its
+        # observation_space selects between it and other floats.
+        kind = float if isinstance(env_params.max_steps_in_episode, float) else int
+        env_params = env_params.replace(max_steps_in_episode=kind(max_steps))
     return env, env_params
 
 
