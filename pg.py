@@ -607,14 +607,7 @@ def main(argv=None):
         check_hyperparameters(config, common.expand_runs(config, grid, args.seed, 1))
     except common.UsageError as error:
         parser.error(str(error))
-    # XLA's own RNG (unsafe_rbg) compiles in a fraction of threefry's time on
-    # CPU, where compiling is most of a short run's wall time. Same seed and
-    # flags, same numbers; a seed alone and within a vmapped sweep may differ.
-    import os, contextlib
-    v = os.environ.get('PGRNG', 'urbg')
-    ctx = jax.default_prng_impl('unsafe_rbg') if v == 'urbg' else jax.threefry_partitionable(False) if v == 'np' else contextlib.nullcontext()
-    with ctx:
-        return common.run_experiment(make_agent, config, grid, args, 'pg.py')
+    return common.run_experiment(make_agent, config, grid, args, 'pg.py')
 
 
 if __name__ == '__main__':

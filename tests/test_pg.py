@@ -384,6 +384,27 @@ def test_cut_at_last_done():
     np.testing.assert_array_equal(waiting, [[0, 0, 0, 0, 0, 1], [1] * 6])
 
 
+def test_trax_batch_picks_a_trajectory_uniformly_then_a_step_uniformly():
+    # Row 0: an episode of 1 step, then one of 3 steps, then padding; row 1: 2 steps.
+    done = jnp.asarray([[1, 0, 0, 1, 0], [0, 1, 0, 0, 0]], bool)
+    weight = jnp.asarray([[1, 1, 1, 1, 0], [1, 1, 0, 0, 0]], jnp.float32)
+    lengths = pg.segment_lengths(done, weight)
+    np.testing.assert_array_equal(lengths * weight, [[1, 3, 3, 3, 0], [2, 2, 0, 0, 0]])
+    index = pg.sample_slices(jax.random.PRNGKey(0), weight.reshape(-1),
+                             lengths.reshape(-1), 60000)
+    frequency = np.bincount(np.asarray(index), minlength=10) / 60000
+    np.testing.assert_allclose(frequency, np.array([3, 1, 1, 1, 0, 1.5, 1.5, 0, 0, 0]) / 9,
+                               atol=0.01)
+    # The agent's sampled-batch mode trains on such slices.
+    config = pg.Config(env='PgProbe-Countdown', epochs=1, n_trajectories_per_epoch=3,
+                       max_steps=8, batch_size=16, hidden_sizes=(4,), n_eval_episodes=0)
+    agent, state, (metrics,), _, _ = run_phases(config)
+    np.testing.assert_allclose(state.batch.episode_length[0].reshape(3, 8)[:, :5], 5)
+    assert np.isfinite(metrics['metrics/policy_loss'][0]) and int(state.train_step[0]) == 1
+    # Countdown's returns are 15, 14, 12, 9, 5, all equally likely: mean 11.
+    assert 8 < float(metrics['metrics/returns_mean'][0]) < 14
+
+
 def test_box_actions_are_clipped_for_the_env_but_learned_unclipped():
     # A huge initial std: most sampled actions fall outside [-1, 1].
     config = pg.Config(env='PgProbe-BoxEcho', epochs=1, n_trajectories_per_epoch=64,
@@ -541,10 +562,9 @@ def test_one_epoch_on_every_gymnax_env(env_name):
         state, evaluated = jax.vmap(agent.evaluate)(hp, state)
         return state, {**collected, **trained, **evaluated}
 
-    with jax.default_prng_impl('unsafe_rbg'):  # as pg.main: faster to compile
-        keys = jax.random.PRNGKey(0)[None]
-        program = jax.jit(epoch).lower(keys, hp).compile(FAST_COMPILE)
-        state, metrics = program(keys, hp)
+    keys = jax.random.PRNGKey(0)[None]
+    program = jax.jit(epoch).lower(keys, hp).compile(FAST_COMPILE)
+    state, metrics = program(keys, hp)
     assert 1 <= int(metrics['rl/new_interactions'][0]) <= 16
     assert int(metrics['rl/n_trajectories'][0]) == 2
     assert np.isfinite(float(metrics['metrics/policy_loss'][0]))
