@@ -9,6 +9,7 @@ Importing it compiles nothing.
 import argparse
 import dataclasses
 import datetime
+import importlib
 import io
 import itertools
 import json
@@ -17,6 +18,7 @@ import os
 import signal
 import sys
 import time
+import types
 import typing
 import zipfile
 
@@ -167,8 +169,24 @@ class UsageError(ValueError):
     """Bad input from the user: reported as one line and exit status 2."""
 
 
+class _ImportOnUse(types.ModuleType):
+    """Stands in for a module until one of its attributes is used."""
+
+    def __getattr__(self, attr):
+        if attr.startswith('__'):  # the import system's own probes
+            raise AttributeError(attr)
+        if sys.modules.get(self.__name__) is self:
+            del sys.modules[self.__name__]
+        return getattr(importlib.import_module(self.__name__), attr)
+
+
 def make_env(name, max_steps=None):
     """A gymnax env and its params by registered name; `max_steps` caps episodes."""
+    # gymnax imports seaborn and matplotlib.pyplot at module level, only to
+    # render; they (with scipy and pandas) take a second to import, so they
+    # load when first used instead.
+    for module in ('matplotlib.pyplot', 'seaborn'):
+        sys.modules.setdefault(module, _ImportOnUse(module))
     import gymnax  # imported here so `import common` stays fast
     if name not in gymnax.registered_envs:
         raise UsageError(f'unknown env {name!r}; valid gymnax envs: '
@@ -187,6 +205,17 @@ def make_env(name, max_steps=None):
         kind = float if isinstance(env_params.max_steps_in_episode, float) else int
         env_params = env_params.replace(max_steps_in_episode=kind(max_steps))
     return env, env_params
+
+
+def step_first_episode(env, key, state, action, env_params):
+    """`env.step` without gymnax's auto-reset, for rollouts that use only each
+    env's first episode (evaluation, fresh-episode collection): the reset
+    that `env.step` computes every step is never used there, and it is most
+    of a step's cost and compile time. Same outputs until the episode ends.
+    """
+    obs, state, reward, terminated, info = env.step_env(key, state, action, env_params)
+    truncated = env.is_truncated(state, env_params)
+    return obs, state, reward, terminated, truncated, {**info, 'final_observation': obs}
 
 
 def space_kind(space):
@@ -341,6 +370,20 @@ def _flag_parser(kind, is_tuple, optional, sweep, flag):
 
 DEFAULT_COMPILE_CACHE = os.environ.get(
     'JAX_COMPILATION_CACHE_DIR', os.path.join(os.path.expanduser('~'), '.cache', 'trax-rl-jax'))
+
+
+def compiler_options():
+    """XLA options for the compiled phases.
+
+    On CPU, LLVM's backend optimisation level 2 instead of XLA's default 3:
+    it halves the compile time, which dominates short runs, while the
+    programs (many small kernels) run as fast (tests/benchmark.py). An
+    xla_backend_optimization_level in XLA_FLAGS takes precedence.
+    """
+    if jax.default_backend() != 'cpu' or 'xla_backend_optimization_level' in os.environ.get(
+            'XLA_FLAGS', ''):
+        return None
+    return {'xla_backend_optimization_level': 2}
 
 
 def enable_compile_cache(path):
@@ -737,8 +780,8 @@ def _run_experiment(make_agent, config, grid, args, prog):
             vectorized = jax.shard_map(vectorized, mesh=sharding.mesh,
                                        in_specs=(spec,) * len(example), out_specs=spec,
                                        check_vma=False)
-        return jax.jit(vectorized, in_shardings=sharding,
-                       out_shardings=sharding).lower(*example).compile()
+        return jax.jit(vectorized, in_shardings=sharding, out_shardings=sharding).lower(
+            *example).compile(compiler_options=compiler_options())
     state = compiled(agent.init, keys, hp)(keys, hp)
     phases = {name: compiled(getattr(agent, name), hp, state)
               for name in ('collect', 'train', 'evaluate')}

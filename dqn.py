@@ -17,6 +17,7 @@ is synced exactly every `sync_freq` gradient steps.
 """
 
 import dataclasses
+import functools
 import sys
 from typing import NamedTuple, Optional
 
@@ -161,11 +162,11 @@ def value_loss(predicted, target, smoothl1loss):
     return jnp.mean(error ** 2)  # Trax's L2Loss: mean squared error
 
 
-def sample_indices(key, count, batch_size):
+def sample_indices(key, count, shape):
     """Uniform (block, row) pairs over the valid rows of every replay block."""
     ends = jnp.cumsum(count)
-    flat = jax.random.randint(key, (batch_size,), 0, ends[-1])
-    block = jnp.searchsorted(ends, flat, side='right')
+    flat = jax.random.randint(key, shape, 0, ends[-1])
+    block = jnp.searchsorted(ends, flat, side='right', method='compare_all')
     return block, flat - (ends - count)[block]
 
 
@@ -221,21 +222,36 @@ def make_agent(config: Config) -> common.Agent:
                                 hp['exploration_decay_factor'],
                                 config.exploration_steps_per_decay, hp['exploration_minimum'])
 
-    def act(key, params, obs, hp, temperature, eps):
-        """temperature 1: epsilon-greedy; 0: greedy; else softmax(Q / T)."""
+    def act(noise, params, obs, hp, temperature, eps):
+        """temperature 1: epsilon-greedy; 0: greedy; else softmax(Q / T).
+
+        `noise` is uniform [..., 1 + n_actions]: the first number decides whether
+        to explore, the others pick the action (the argmax of uniforms is a
+        uniform action; that of Gumbel-perturbed Q / T a softmax sample).
+        """
         q = q_values(params, obs, hp)
         greedy = jnp.argmax(q, axis=-1)
         if temperature == 0.0:
             return greedy
-        explore_key, action_key = jax.random.split(key)
         if temperature == 1.0:
-            random_action = jax.random.randint(action_key, greedy.shape, 0, n_actions)
-            explore = jax.random.uniform(explore_key, greedy.shape) < eps
-            return jnp.where(explore, random_action, greedy)
-        return jax.random.categorical(action_key, q / temperature)
+            random_action = jnp.argmax(noise[..., 1:], axis=-1)
+            return jnp.where(noise[..., 0] < eps, random_action, greedy)
+        gumbel = -jnp.log(-jnp.log(noise[..., 1:]))
+        return jnp.argmax(q / temperature + gumbel, axis=-1)
 
-    def env_step(keys, env_state, action):
-        return jax.vmap(env.step, in_axes=(0, 0, 0, None))(keys, env_state, action, env_params)
+    def action_noise(key, shape):
+        # Drawn for a whole rollout in one call, never per step: every random
+        # call site compiles into its own code, and on CPU that compile time
+        # dominates short runs. tiny keeps the Gumbel transform finite.
+        return jax.random.uniform(key, shape + (1 + n_actions,),
+                                  minval=jnp.finfo(jnp.float32).tiny)
+
+    def env_keys(key, steps, count):
+        return jax.random.split(key, steps * count).reshape(steps, count, -1)
+
+    def env_step(keys, env_state, action, auto_reset=True):
+        step = env.step if auto_reset else functools.partial(common.step_first_episode, env)
+        return jax.vmap(step, in_axes=(0, 0, 0, None))(keys, env_state, action, env_params)
 
     def env_reset(key, count):
         return jax.vmap(env.reset, in_axes=(0, None))(jax.random.split(key, count), env_params)
@@ -263,7 +279,7 @@ def make_agent(config: Config) -> common.Agent:
         """One epoch of epsilon-greedy experience into the replay ring."""
         epoch = state.epoch + 1  # Trax's epochs are 1-based
         eps = epsilon(hp, epoch)
-        key, reset_key, rollout_key = jax.random.split(state.key, 3)
+        key, reset_key, noise_key, env_key = jax.random.split(state.key, 4)
         fresh_episodes = bool(config.n_trajectories_per_epoch)
         if fresh_episodes:
             obs, env_state = env_reset(reset_key, n_envs)
@@ -271,12 +287,12 @@ def make_agent(config: Config) -> common.Agent:
         else:
             obs, env_state, episode_return = state.obs, state.env_state, state.episode_return
 
-        def step(carry, step_key):
+        def step(carry, xs):
             obs, env_state, episode_return, active = carry
-            act_key, env_key = jax.random.split(step_key)
-            action = act(act_key, state.params, obs, hp, 1.0, eps)
+            noise, keys = xs
+            action = act(noise, state.params, obs, hp, 1.0, eps)
             next_obs, env_state, reward, terminated, truncated, info = env_step(
-                jax.random.split(env_key, n_envs), env_state, action)
+                keys, env_state, action, auto_reset=not fresh_episodes)
             done = terminated | truncated
             episode_return = episode_return + reward
             finished = done & active
@@ -291,7 +307,8 @@ def make_agent(config: Config) -> common.Agent:
 
         carry = (obs, env_state, episode_return, jnp.ones(n_envs, bool))
         (obs, env_state, episode_return, _), rollout = jax.lax.scan(
-            step, carry, jax.random.split(rollout_key, steps))
+            step, carry, (action_noise(noise_key, (steps, n_envs)),
+                          env_keys(env_key, steps, n_envs)))
         # n-step windows per env, over the time axis.
         reward_sum, bootstrap_obs, bootstrap_discount = jax.vmap(
             n_step_transitions, in_axes=(1, 1, 1, 1, None, None), out_axes=1)(
@@ -340,8 +357,8 @@ def make_agent(config: Config) -> common.Agent:
         return loss, {'metrics/value_loss': loss, 'metrics/value_mean': q_taken.mean(),
                       'metrics/returns_mean': target.mean()}
 
-    def train_step(hp, state, key):
-        block, row = sample_indices(key, state.replay.count, config.batch_size)
+    def train_step(hp, state, indices):
+        block, row = indices
         replay = state.replay
         batch = {name: getattr(replay, name)[block, row]
                  for name in ('obs', 'action', 'reward_sum', 'bootstrap_obs', 'bootstrap_discount')}
@@ -358,43 +375,50 @@ def make_agent(config: Config) -> common.Agent:
 
     def train(hp, state):
         """train_steps_per_epoch gradient steps, in evals_per_epoch chunks."""
-        key, train_key = jax.random.split(state.key)
+        key, sample_key = jax.random.split(state.key)
         state = state._replace(key=key)
+        # The replay does not change while training: sample every batch at once.
+        indices = sample_indices(sample_key, state.replay.count,
+                                 (config.evals_per_epoch, chunk_steps, config.batch_size))
 
-        def chunk(state, chunk_key):
-            state, metrics = jax.lax.scan(lambda s, k: train_step(hp, s, k), state,
-                                          jax.random.split(chunk_key, chunk_steps))
+        def chunk(state, chunk_indices):
+            state, metrics = jax.lax.scan(lambda s, i: train_step(hp, s, i), state,
+                                          chunk_indices)
             return state, jax.tree.map(jnp.mean, metrics)
 
-        state, metrics = jax.lax.scan(chunk, state,
-                                      jax.random.split(train_key, config.evals_per_epoch))
+        state, metrics = jax.lax.scan(chunk, state, indices)
         state = state._replace(epoch=state.epoch + 1)
         return state, jax.tree.map(lambda m: m[-1], metrics)  # the last chunk, as Trax logs
 
     def evaluate(hp, state):
         """Fresh episodes for each (temperature, horizon); never enter the replay."""
-        key, eval_key = jax.random.split(state.key)
-        metrics = {}
         if config.n_eval_episodes == 0:
-            return state._replace(key=key), metrics
+            return state, {}
+        key, *tag_keys = jax.random.split(state.key, 1 + 3 * len(eval_tags))
+        count = config.n_eval_episodes
         eps = epsilon(hp, state.epoch)
-        for tag_key, (temperature, horizon) in zip(jax.random.split(eval_key, len(eval_tags)),
-                                                   eval_tags):
-            reset_key, rollout_key = jax.random.split(tag_key)
-            obs, env_state = env_reset(reset_key, config.n_eval_episodes)
+        metrics = {}
+        for i, (temperature, horizon) in enumerate(eval_tags):
+            reset_key, noise_key, env_key = tag_keys[3 * i:3 * i + 3]
+            obs, env_state = env_reset(reset_key, count)
+            noise = action_noise(noise_key, (horizon, count)) if temperature else None
+            keys = env_keys(env_key, horizon, count)
 
-            def step(carry, step_key, temperature=temperature):
-                obs, env_state, total, active = carry
-                act_key, env_key = jax.random.split(step_key)
-                action = act(act_key, state.params, obs, hp, temperature, eps)
+            def step(loop, temperature=temperature, noise=noise, keys=keys):
+                t, obs, env_state, total, active = loop
+                action = act(None if noise is None else noise[t], state.params, obs, hp,
+                             temperature, eps)
                 obs, env_state, reward, terminated, truncated, _ = env_step(
-                    jax.random.split(env_key, config.n_eval_episodes), env_state, action)
+                    keys[t], env_state, action, auto_reset=False)
                 total = total + jnp.where(active, reward, 0.0)
-                return (obs, env_state, total, active & ~(terminated | truncated)), None
+                return t + 1, obs, env_state, total, active & ~(terminated | truncated)
 
-            carry = (obs, env_state, jnp.zeros(config.n_eval_episodes),
-                     jnp.ones(config.n_eval_episodes, bool))
-            (_, _, total, _), _ = jax.lax.scan(step, carry, jax.random.split(rollout_key, horizon))
+            def running(loop, horizon=horizon):  # stop once every episode has ended
+                t, *_, active = loop
+                return (t < horizon) & jnp.any(active)
+
+            _, _, _, total, _ = jax.lax.while_loop(
+                running, step, (0, obs, env_state, jnp.zeros(count), jnp.ones(count, bool)))
             metrics[common.eval_key(temperature, horizon)] = total.mean()
         return state._replace(key=key), metrics
 

@@ -32,6 +32,7 @@ epoch in which it ends, with its complete Monte-Carlo return.
 """
 
 import dataclasses
+import functools
 import math
 import sys
 from typing import NamedTuple, Optional
@@ -322,8 +323,9 @@ def make_agent(config: Config) -> common.Agent:
         return optax.chain(optax.scale_by_adam(b1=hp['adam_b1'], b2=hp['adam_b2']),
                            optax.scale_by_schedule(lambda s: -schedule(s)))
 
-    def env_step(keys, env_state, action):
-        return jax.vmap(env.step, in_axes=(0, 0, 0, None))(keys, env_state, action, env_params)
+    def env_step(keys, env_state, action, auto_reset=True):
+        step = env.step if auto_reset else functools.partial(common.step_first_episode, env)
+        return jax.vmap(step, in_axes=(0, 0, 0, None))(keys, env_state, action, env_params)
 
     def env_reset(key, count):
         return jax.vmap(env.reset, in_axes=(0, None))(jax.random.split(key, count), env_params)
@@ -338,7 +340,7 @@ def make_agent(config: Config) -> common.Agent:
             noise, env_keys = xs
             action, env_action = act(noise, params, obs, temperature)
             next_obs, env_state, reward, terminated, truncated, _ = env_step(
-                env_keys, env_state, env_action)
+                env_keys, env_state, env_action, auto_reset=not one_episode)
             reward = reward.astype(jnp.float32)
             done = terminated | truncated
             episode_return = episode_return + jnp.where(active, reward, 0.0)

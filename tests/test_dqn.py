@@ -318,7 +318,7 @@ def test_exploration_rate_is_trax_formula(constant, decay, per_decay, minimum):
 def test_sample_indices_only_valid_rows_uniformly():
     count = jnp.asarray([5, 0, 3], jnp.int32)
     block, row = jax.jit(dqn.sample_indices, static_argnums=2)(
-        jax.random.PRNGKey(0), count, 8000)
+        jax.random.PRNGKey(0), count, (8000,))
     block, row = np.asarray(block), np.asarray(row)
     assert set(block.tolist()) == {0, 2}
     assert np.all(row >= 0) and np.all(row < np.asarray(count)[block])
@@ -330,7 +330,7 @@ def test_sample_indices_only_valid_rows_uniformly():
 
 @pytest.mark.parametrize('count', [[0, 0, 4], [7], [1, 2]])
 def test_sample_indices_other_counts(count):
-    block, row = dqn.sample_indices(jax.random.PRNGKey(1), jnp.asarray(count, jnp.int32), 500)
+    block, row = dqn.sample_indices(jax.random.PRNGKey(1), jnp.asarray(count, jnp.int32), (500,))
     block, row = np.asarray(block), np.asarray(row)
     assert np.all(np.asarray(count)[block] > 0)
     assert np.all(row < np.asarray(count)[block])
