@@ -372,18 +372,30 @@ DEFAULT_COMPILE_CACHE = os.environ.get(
     'JAX_COMPILATION_CACHE_DIR', os.path.join(os.path.expanduser('~'), '.cache', 'trax-rl-jax'))
 
 
-def compiler_options():
-    """XLA options for the compiled phases.
+def compiler_options(batch_invariant=True):
+    """XLA options for the compiled phases (CPU only; XLA_FLAGS takes precedence).
 
-    On CPU, LLVM's backend optimisation level 2 instead of XLA's default 3:
-    it halves the compile time, which dominates short runs, while the
-    programs (many small kernels) run as fast (tests/benchmark.py). An
-    xla_backend_optimization_level in XLA_FLAGS takes precedence.
+    LLVM's backend optimisation level 2 instead of XLA's default 3 halves the
+    compile time, which dominates short runs, while these programs (many
+    small kernels) run as fast. `batch_invariant` makes each run's numbers
+    bitwise the same whether it runs alone, in a grid or sharded over
+    devices: it turns off XLA's YNNPACK fusions, whose reductions pick other
+    kernels (other rounding) for another number of runs, and the algebraic
+    simplifier, which reassociates divisions differently in a sharded
+    program. Neither measurably slows these programs (tests/benchmark.py).
     """
-    if jax.default_backend() != 'cpu' or 'xla_backend_optimization_level' in os.environ.get(
-            'XLA_FLAGS', ''):
+    if jax.default_backend() != 'cpu':
         return None
-    return {'xla_backend_optimization_level': 2}
+    flags = os.environ.get('XLA_FLAGS', '')
+    options = {}
+    if 'xla_backend_optimization_level' not in flags:
+        options['xla_backend_optimization_level'] = 2
+    if batch_invariant:
+        if 'xla_cpu_experimental_ynn_fusion_type' not in flags:
+            options['xla_cpu_experimental_ynn_fusion_type'] = ''
+        if 'xla_disable_hlo_passes' not in flags:
+            options['xla_disable_hlo_passes'] = 'algsimp'
+    return options
 
 
 def enable_compile_cache(path):
@@ -428,6 +440,9 @@ def build_parser(config_cls, prog, description):
                      type=_flag_parser(int, False, True, False, '--device'),
                      help='run on this one device index (default: shard runs over all)')
     run.add_argument('--quiet', action='store_true', help='no per-epoch lines on stdout')
+    run.add_argument('--batch-invariant', default=True, action=argparse.BooleanOptionalAction,
+                     help='CPU: bitwise the same numbers for a run alone, in a grid or sharded '
+                          '(XLA without YNNPACK fusions and algebraic simplifier)')
     run.add_argument('--compile-cache', default=DEFAULT_COMPILE_CACHE,
                      help="XLA's persistent compilation cache dir ('none': off); a rerun "
                           'of the same program skips most of its compile time')
@@ -781,7 +796,7 @@ def _run_experiment(make_agent, config, grid, args, prog):
                                        in_specs=(spec,) * len(example), out_specs=spec,
                                        check_vma=False)
         return jax.jit(vectorized, in_shardings=sharding, out_shardings=sharding).lower(
-            *example).compile(compiler_options=compiler_options())
+            *example).compile(compiler_options=compiler_options(getattr(args, 'batch_invariant', True)))
     state = compiled(agent.init, keys, hp)(keys, hp)
     phases = {name: compiled(getattr(agent, name), hp, state)
               for name in ('collect', 'train', 'evaluate')}
@@ -863,7 +878,8 @@ def _run_experiment(make_agent, config, grid, args, prog):
                       f'{output_dir} to resume', file=sys.stderr)
                 sys.exit(130)
 
-    summary = _summary(agent, config, runs, history, wall_start, compile_s)
+    summary = _summary(agent, config, runs, history, wall_start, compile_s,
+                       getattr(args, 'batch_invariant', True))
     atomic_write_bytes(os.path.join(output_dir, 'summary.json'),
                        json.dumps(summary, indent=2).encode())
     if args.plot:
@@ -881,7 +897,7 @@ def eval_key(temperature, steps):
     return f'rl/avg_return_temperature{temperature:.2f}_steps{steps}'
 
 
-def _summary(agent, config, runs, history, wall_start, compile_s):
+def _summary(agent, config, runs, history, wall_start, compile_s, batch_invariant):
     final_epoch = max((record['epoch'] for record in history), default=0)
     final = sorted((r for r in history if r['epoch'] == final_epoch), key=lambda r: r['run'])
     key = eval_key(0.0, agent.max_steps)
@@ -896,6 +912,7 @@ def _summary(agent, config, runs, history, wall_start, compile_s):
         'final_eval_key': key,
         'wall_s': time.time() - wall_start,
         'compile_s': compile_s,
+        'batch_invariant': batch_invariant,
     }
 
 
