@@ -68,7 +68,7 @@ class Config:
         0.9, 'epsilon *= this every steps_per_decay epochs (Trax: 0.99)', sweep=True)
     exploration_steps_per_decay: int = common.option(1, 'epochs per epsilon decay')
     exploration_minimum: float = common.option(
-        0.05, 'epsilon floor (Trax: 0.1)', sweep=True)
+        0.01, 'epsilon floor (Trax: 0.1)', sweep=True)
     hidden_sizes: tuple[int, ...] = common.option((64, 64), 'Q-network hidden layer sizes')
     n_eval_episodes: int = common.option(32, 'episodes per evaluation (0: no evaluation)')
     eval_steps: Optional[tuple[int, ...]] = common.option(
