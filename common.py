@@ -660,6 +660,14 @@ class Agent:
     eval_tags: list  # [(temperature, steps)] evaluated each epoch
     max_steps: int  # the episode cap actually used
 
+    def epoch(self, hp, state):
+        """One whole epoch, collect -> train -> evaluate, as one pure function:
+        (state, metrics), jittable, vmappable and scannable over epochs."""
+        state, collect_metrics = self.collect(hp, state)
+        state, train_metrics = self.train(hp, state)
+        state, eval_metrics = self.evaluate(hp, state)
+        return state, {**collect_metrics, **train_metrics, **eval_metrics}
+
 
 # Fields that may change between a run and its resumption.
 HARMLESS_FIELDS = {'epochs', 'checkpoint_every'}

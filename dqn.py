@@ -2,8 +2,9 @@
 
 One epoch = collect (epsilon-greedy, gymnax envs) -> train (n-step double-DQN
 targets from a replay of the last epochs) -> greedy evaluation. Each phase is a
-pure function of the state pytree, vmapped over runs (seeds x hyperparameter
-grid) and compiled once; Python only loops over epochs.
+pure function of the state pytree, and so is the whole epoch (`agent.epoch`),
+vmapped over runs (seeds x hyperparameter grid) and compiled once; Python only
+loops over epochs.
 
 Fixed relative to Trax (SPEC §5): terminal and truncated transitions are
 regression targets; n-step sums stop at termination; time-limit truncation

@@ -3,8 +3,9 @@
 One epoch = collect (temperature 1, gymnax envs) -> train (Monte-Carlo returns
 minus the batch's mean return, Trax's `_value_fn`; optional advantage
 normalisation) -> evaluation at each (temperature, horizon). Each phase is a
-pure function of the state pytree, vmapped over runs (seeds x hyperparameter
-grid) and compiled once; Python only loops over epochs. Categorical policy for
+pure function of the state pytree, and so is the whole epoch (`agent.epoch`),
+vmapped over runs (seeds x hyperparameter grid) and compiled once; Python only
+loops over epochs. Categorical policy for
 Discrete action spaces, Gaussian with a learned state-independent log-std for
 Box ones.
 

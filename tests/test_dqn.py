@@ -346,14 +346,13 @@ TINY = dict(n_envs=2, n_interactions_per_epoch=8, train_steps_per_epoch=1, batch
 
 
 def epochs_program(agent, hp, n_epochs, inspect):
-    """jit(key -> per-epoch inspect(state, metrics)) over init + n_epochs of collect/train."""
+    """jit(key -> per-epoch inspect(state, metrics)) over init + n_epochs epochs."""
     def run(key):
         state = agent.init(key, hp)
 
         def epoch(state, _):
-            state, collect_metrics = agent.collect(hp, state)
-            state, train_metrics = agent.train(hp, state)
-            return state, inspect(state, {**collect_metrics, **train_metrics})
+            state, metrics = agent.epoch(hp, state)
+            return state, inspect(state, metrics)
 
         return jax.lax.scan(epoch, state, None, length=n_epochs)
     return jax.jit(run)
@@ -676,7 +675,8 @@ def test_same_seed_same_metrics(cartpole_run, tmp_path):
 # test's cost (MinAtar: ~10 s more each on 2 busy cores); evaluate is env-generic
 # and checked on the probes (test_evaluate_horizons_temperatures) and CartPole.
 SMOKE = dict(epochs=1, n_envs=2, n_interactions_per_epoch=8, train_steps_per_epoch=2,
-             batch_size=4, n_eval_episodes=0, n_replay_epochs=1, hidden_sizes=(8,))
+             batch_size=4, n_eval_episodes=2, eval_steps=(8,), n_replay_epochs=1,
+             hidden_sizes=(8,))
 
 
 @pytest.mark.parametrize('name', GYMNAX_ENVS)
@@ -695,17 +695,13 @@ def test_one_epoch_on_every_gymnax_env(name):
     agent = dqn.make_agent(config)
     hp = single_hp(config)
 
-    def epoch(key):
-        state = agent.init(key, hp)
-        state, collect_metrics = agent.collect(hp, state)
-        state, train_metrics = agent.train(hp, state)
-        return state, {**collect_metrics, **train_metrics}
-
-    state, metrics = jax.device_get(jax.jit(epoch)(jax.random.PRNGKey(0)))
+    state, metrics = jax.device_get(jax.jit(
+        lambda key: agent.epoch(hp, agent.init(key, hp)))(jax.random.PRNGKey(0)))
     assert int(metrics['rl/n_interactions']) == 8
     np.testing.assert_array_equal(state.replay.count, [8])
     assert int(state.train_step) == 2
-    for key in ('metrics/value_loss', 'metrics/value_mean', 'metrics/returns_mean'):
+    for key in ('metrics/value_loss', 'metrics/value_mean', 'metrics/returns_mean',
+                common.eval_key(0.0, 8)):
         assert np.isfinite(metrics[key]), key
     assert all(np.all(np.isfinite(leaf)) for leaf in jax.tree.leaves(state.params))
 

@@ -556,11 +556,7 @@ def test_one_epoch_on_every_gymnax_env(env_name):
     hp = common.hyperparameters(config, common.expand_runs(config, {}, 0, 1))
 
     def epoch(keys, hp):
-        state = jax.vmap(agent.init)(keys, hp)
-        state, collected = jax.vmap(agent.collect)(hp, state)
-        state, trained = jax.vmap(agent.train)(hp, state)
-        state, evaluated = jax.vmap(agent.evaluate)(hp, state)
-        return state, {**collected, **trained, **evaluated}
+        return jax.vmap(agent.epoch)(hp, jax.vmap(agent.init)(keys, hp))
 
     keys = jax.random.PRNGKey(0)[None]
     program = jax.jit(epoch).lower(keys, hp).compile(FAST_COMPILE)

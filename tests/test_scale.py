@@ -118,3 +118,73 @@ def test_plot_writes_a_png(cache_dir, tmp_path):
     path = os.path.join(out, 'learning_curve.png')
     data = open(path, 'rb').read()
     assert data[:8] == b'\x89PNG\r\n\x1a\n' and len(data) > 5000
+
+
+PG_TINY = ['--n-trajectories-per-epoch', '4', '--max-steps', '40', '--n-eval-episodes', '2',
+           '--hidden-sizes', '16', '--epochs', '2', '--quiet']
+
+
+def test_pg_grid_equals_the_separate_runs(cache_dir, tmp_path):
+    """pg's sweep fields too: a 2-point entropy x 2-point lr grid = the 4 runs."""
+    import pg
+    grid_out = str(tmp_path / 'grid')
+    pg.main([*PG_TINY, '--compile-cache', cache_dir, '--output-dir', grid_out,
+             '--entropy-coefficient', '0,0.1', '--lr', '1e-2,3e-2'])
+    records, paths, leaves = results(grid_out)
+    summary = json.load(open(os.path.join(grid_out, 'summary.json')))
+    # Outer to inner in the order of the fields in --help (lr before entropy).
+    assert [(r['lr'], r['entropy_coefficient']) for r in summary['runs']] == [
+        (1e-2, 0.0), (1e-2, 0.1), (3e-2, 0.0), (3e-2, 0.1)]
+    for index, run in enumerate(summary['runs']):
+        out = str(tmp_path / f'run{index}')
+        pg.main([*PG_TINY, '--compile-cache', cache_dir, '--output-dir', out,
+                 '--entropy-coefficient', str(run['entropy_coefficient']), '--lr', str(run['lr'])])
+        single_records, single_paths, single_leaves = results(out)
+        mine = [{k: v for k, v in r.items() if k != 'run'} for r in records if r['run'] == index]
+        theirs = [{k: v for k, v in r.items() if k != 'run'} for r in single_records]
+        assert single_paths == paths
+        assert_same_runs(mine, [leaf[index] for leaf in leaves], theirs,
+                         [leaf[0] for leaf in single_leaves])
+    # Same seed everywhere, so only the hyperparameters make the runs differ.
+    losses = [r['metrics/policy_loss'] for r in records if r['epoch'] == 2]
+    assert len(set(losses)) == 4
+
+
+@pytest.mark.parametrize('algo', ['dqn', 'pg'])
+def test_fused_epoch_equals_the_phases(algo):
+    """Agent.epoch (collect -> train -> evaluate as one pure function), scanned
+    over epochs in one jit program, gives the driver's phase-by-phase results."""
+    import jax
+    import jax.numpy as jnp
+    import pg
+    module = {'dqn': dqn, 'pg': pg}[algo]
+    flags = TINY if algo == 'dqn' else PG_TINY
+    config, grid = common.config_and_grid(
+        module.Config, common.build_parser(module.Config, algo, '').parse_args(flags))
+    agent = module.make_agent(config)
+    runs = common.expand_runs(config, grid, 0, 2)
+    hp = common.hyperparameters(config, runs)
+    keys = jnp.stack([jax.random.PRNGKey(run['seed']) for run in runs])
+    options = common.compiler_options()
+    state = jax.jit(jax.vmap(agent.init)).lower(keys, hp).compile(options)(keys, hp)
+
+    phased_state, phased = state, []
+    phases = [jax.jit(jax.vmap(getattr(agent, name))).lower(hp, state).compile(options)
+              for name in ('collect', 'train', 'evaluate')]
+    for _ in range(2):
+        metrics = {}
+        for phase in phases:
+            phased_state, phase_metrics = phase(hp, phased_state)
+            metrics.update(phase_metrics)
+        phased.append(metrics)
+
+    def epochs(hp, state):
+        return jax.lax.scan(lambda s, _: jax.vmap(agent.epoch)(hp, s), state, None, length=2)
+    fused_state, fused = jax.jit(epochs).lower(hp, state).compile(options)(hp, state)
+
+    assert set(fused) == set(phased[0])
+    for name in fused:
+        np.testing.assert_array_equal(fused[name], np.stack([m[name] for m in phased]), name)
+    for a, b in zip(jax.tree.leaves(fused_state), jax.tree.leaves(phased_state)):
+        np.testing.assert_array_equal(a, b)
+    assert int(fused_state.epoch[0]) == 2 and int(fused_state.train_step[0]) >= 2
