@@ -42,7 +42,7 @@ class Config:
     train_steps_per_epoch: int = common.option(
         128, 'gradient steps per epoch (Trax value_train_steps_per_epoch: 500)')
     evals_per_epoch: int = common.option(1, 'trainer metric chunks per epoch (reporting only)')
-    batch_size: int = common.option(64, 'transitions per gradient step (Trax value_batch_size: 64)')
+    batch_size: int = common.option(128, 'transitions per gradient step (Trax value_batch_size: 64)')
     lr: float = common.option(
         1e-2, 'Adam learning rate, the schedule\'s constant (Trax: 0.1 * multifactor)', sweep=True)
     lr_schedule: str = common.option(

@@ -10,7 +10,7 @@ Discrete action spaces, Gaussian with a learned state-independent log-std for
 Box ones.
 
 Trax's semantics are all available as flags; the defaults differ where that
-makes `python pg.py` solve CartPole-v1 for every seed in 30 epochs (each one
+makes `python pg.py` solve CartPole-v1 for every seed in 40 epochs (each one
 gradient step, as Trax): the batch is every step collected this epoch
 (`--batch-size 0`; `--batch-size 64` is Trax's sampling of length-1 slices, a
 uniform trajectory then a uniform step), 32 episodes per epoch, gamma 0.995,
@@ -49,7 +49,7 @@ import common
 @dataclasses.dataclass(frozen=True)
 class Config:
     env: str = common.option('CartPole-v1', 'gymnax env (Discrete or Box action space)')
-    epochs: int = common.option(30, 'total epochs of collect -> train -> evaluate')
+    epochs: int = common.option(40, 'total epochs of collect -> train -> evaluate')
     n_envs: int = common.option(16, 'parallel envs per run (n_interactions mode)')
     n_interactions_per_epoch: Optional[int] = common.option(
         None, 'instead: env steps per epoch and run; episodes carry over epochs and an '
