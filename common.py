@@ -736,6 +736,19 @@ def config_differences(saved, current):
                   if name not in HARMLESS_FIELDS and saved.get(name) != current.get(name))
 
 
+def main(config_cls, make_agent, check_hyperparameters, prog, description, argv=None):
+    """The command line of dqn.py / pg.py: parse flags, check every run's
+    hyperparameters, then run (or resume, or only evaluate) the experiment."""
+    parser = build_parser(config_cls, prog, description)
+    args = parser.parse_args(argv)
+    config, grid = config_and_grid(config_cls, args)
+    try:
+        check_hyperparameters(config, expand_runs(config, grid, args.seed, 1))
+    except UsageError as error:
+        parser.error(str(error))
+    return run_experiment(make_agent, config, grid, args, prog)
+
+
 def run_experiment(make_agent, config, grid, args, prog):
     """Parse-independent driver: set up, resume, loop epochs, save results."""
     try:

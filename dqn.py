@@ -476,14 +476,8 @@ def check_hyperparameters(config, runs):
 
 
 def main(argv=None):
-    parser = common.build_parser(Config, 'dqn.py', __doc__.split('\n\n')[0])
-    args = parser.parse_args(argv)
-    config, grid = common.config_and_grid(Config, args)
-    try:
-        check_hyperparameters(config, common.expand_runs(config, grid, args.seed, 1))
-    except common.UsageError as error:
-        parser.error(str(error))
-    return common.run_experiment(make_agent, config, grid, args, 'dqn.py')
+    return common.main(Config, make_agent, check_hyperparameters, 'dqn.py',
+                       __doc__.split('\n\n')[0], argv)
 
 
 if __name__ == '__main__':

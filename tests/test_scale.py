@@ -40,6 +40,25 @@ def assert_same_runs(records_a, leaves_a, records_b, leaves_b):
         np.testing.assert_array_equal(a, b)
 
 
+def assert_grid_equals_separate_runs(main, flags, grid_out, tmp_path):
+    """Rerun every run of the grid in grid_out alone (its seed and swept values
+    as flags) and compare it, bitwise, with its slice of the grid; -> records."""
+    records, paths, leaves = results(grid_out)
+    summary = json.load(open(os.path.join(grid_out, 'summary.json')))
+    for index, run in enumerate(summary['runs']):
+        out = str(tmp_path / f'run{index}')
+        values = [part for name, value in run.items()
+                  for part in ('--' + name.replace('_', '-'), str(value))]
+        main([*flags, '--output-dir', out, *values])
+        single_records, single_paths, single_leaves = results(out)
+        mine = [{k: v for k, v in r.items() if k != 'run'} for r in records if r['run'] == index]
+        theirs = [{k: v for k, v in r.items() if k != 'run'} for r in single_records]
+        assert single_paths == paths
+        assert_same_runs(mine, [leaf[index] for leaf in leaves], theirs,
+                         [leaf[0] for leaf in single_leaves])
+    return records
+
+
 @pytest.fixture(scope='module')
 def cache_dir(tmp_path_factory):
     return str(tmp_path_factory.mktemp('xla_cache'))
@@ -70,21 +89,12 @@ def test_grid_equals_the_separate_runs(cache_dir, tmp_path):
     grid_out = str(tmp_path / 'grid')
     dqn.main([*TINY, '--compile-cache', cache_dir, '--output-dir', grid_out,
               '--lr', '1e-2,3e-3', '--gamma', '0.99,0.9', '--num-seeds', '2'])
-    records, paths, leaves = results(grid_out)
     summary = json.load(open(os.path.join(grid_out, 'summary.json')))
     assert len(summary['runs']) == 8 and len(summary['final_eval_return']) == 8
     assert {(r['lr'], r['gamma'], r['seed']) for r in summary['runs']} == {
         (lr, gamma, seed) for lr in (1e-2, 3e-3) for gamma in (0.99, 0.9) for seed in (0, 1)}
-    for index, run in enumerate(summary['runs']):
-        out = str(tmp_path / f'run{index}')
-        dqn.main([*TINY, '--compile-cache', cache_dir, '--output-dir', out, '--lr', str(run['lr']),
-                  '--gamma', str(run['gamma']), '--seed', str(run['seed'])])
-        single_records, single_paths, single_leaves = results(out)
-        mine = [{k: v for k, v in r.items() if k != 'run'} for r in records if r['run'] == index]
-        theirs = [{k: v for k, v in r.items() if k != 'run'} for r in single_records]
-        assert single_paths == paths
-        assert_same_runs(mine, [leaf[index] for leaf in leaves], theirs,
-                         [leaf[0] for leaf in single_leaves])
+    records = assert_grid_equals_separate_runs(
+        dqn.main, [*TINY, '--compile-cache', cache_dir], grid_out, tmp_path)
     # And the runs really differ from one another.
     returns = [r['metrics/value_loss'] for r in records if r['epoch'] == 2]
     assert len(set(returns)) == 8
@@ -130,21 +140,12 @@ def test_pg_grid_equals_the_separate_runs(cache_dir, tmp_path):
     grid_out = str(tmp_path / 'grid')
     pg.main([*PG_TINY, '--compile-cache', cache_dir, '--output-dir', grid_out,
              '--entropy-coefficient', '0,0.1', '--lr', '1e-2,3e-2'])
-    records, paths, leaves = results(grid_out)
     summary = json.load(open(os.path.join(grid_out, 'summary.json')))
     # Outer to inner in the order of the fields in --help (lr before entropy).
     assert [(r['lr'], r['entropy_coefficient']) for r in summary['runs']] == [
         (1e-2, 0.0), (1e-2, 0.1), (3e-2, 0.0), (3e-2, 0.1)]
-    for index, run in enumerate(summary['runs']):
-        out = str(tmp_path / f'run{index}')
-        pg.main([*PG_TINY, '--compile-cache', cache_dir, '--output-dir', out,
-                 '--entropy-coefficient', str(run['entropy_coefficient']), '--lr', str(run['lr'])])
-        single_records, single_paths, single_leaves = results(out)
-        mine = [{k: v for k, v in r.items() if k != 'run'} for r in records if r['run'] == index]
-        theirs = [{k: v for k, v in r.items() if k != 'run'} for r in single_records]
-        assert single_paths == paths
-        assert_same_runs(mine, [leaf[index] for leaf in leaves], theirs,
-                         [leaf[0] for leaf in single_leaves])
+    records = assert_grid_equals_separate_runs(
+        pg.main, [*PG_TINY, '--compile-cache', cache_dir], grid_out, tmp_path)
     # Same seed everywhere, so only the hyperparameters make the runs differ.
     losses = [r['metrics/policy_loss'] for r in records if r['epoch'] == 2]
     assert len(set(losses)) == 4
