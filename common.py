@@ -802,6 +802,13 @@ def _run_experiment(make_agent, config, grid, args, prog):
                     else '')
             raise ValueError(f'{error}{hint}') from None
         differing = config_differences(saved['config'], run_config)
+        if differing == ['lr_decay_epochs']:  # --epochs grew; the schedule is pinned
+            raise UsageError(
+                f'{output_dir} holds a run whose learning rate decays to 0 over '
+                f'{saved["config"]["lr_decay_epochs"]} epochs; to extend it add '
+                f'--lr-decay-epochs {saved["config"]["lr_decay_epochs"]} (its schedule, '
+                'lr 0 from then on) or start a new run with a larger --lr-decay-epochs '
+                'or --lr-schedule constant')
         if differing:
             raise UsageError(
                 f'{output_dir} holds a run with a different config; differing: '

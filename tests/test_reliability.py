@@ -139,10 +139,10 @@ def test_resume_extends_to_total_epochs(algo, reference_runs, cache_dir, tmp_pat
     summary = json.load(open(os.path.join(out, 'summary.json')))
     assert summary['epochs'] == 5
     # More epochs without pinning the decay horizon would change the schedule:
-    # refused, naming the field.
+    # refused, saying which flag keeps it.
     result = run_script(algo, ['--epochs', '7', '--output-dir', out, '--seed', '3'], cache_dir)
     assert result.returncode == 2
-    assert_one_line_error(result, 'lr_decay_epochs')
+    assert_one_line_error(result, 'decays to 0 over 5 epochs', '--lr-decay-epochs 5')
 
 
 @pytest.mark.parametrize('algo', ALGOS)
