@@ -28,8 +28,8 @@ epoch in which it ends, with its complete Monte-Carlo return.
 
     python pg.py --seed 0                 # CartPole-v1, greedy return 500
     python pg.py --num-seeds 8            # 8 seeds in one vmapped program
-    python pg.py --env Pendulum-v1 --gamma 0.95 --epochs 100 --lr 5e-3,1e-2 --num-seeds 4
-    python pg.py --env Acrobot-v1 --max-steps 1000 --eval-steps 500 --num-seeds 8
+    python pg.py --env Acrobot-v1 --max-steps 1000 --eval-steps 500 --lr 3e-3 --num-seeds 8
+    python pg.py --env Pendulum-v1 --gamma 0.95 --epochs 200 --lr 3e-3 --num-seeds 8
 """
 
 import dataclasses
