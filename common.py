@@ -211,9 +211,11 @@ def step_first_episode(env, key, state, action, env_params):
     """`env.step` without gymnax's auto-reset, for rollouts that use only each
     env's first episode (evaluation, fresh-episode collection): the reset
     that `env.step` computes every step is never used there, and it is most
-    of a step's cost and compile time. Same outputs until the episode ends.
+    of a step's cost and compile time. Same outputs until the episode ends
+    (the step's key is split as `env.step` splits it).
     """
-    obs, state, reward, terminated, info = env.step_env(key, state, action, env_params)
+    step_key, _ = jax.random.split(key)
+    obs, state, reward, terminated, info = env.step_env(step_key, state, action, env_params)
     truncated = env.is_truncated(state, env_params)
     return obs, state, reward, terminated, truncated, {**info, 'final_observation': obs}
 

@@ -750,6 +750,33 @@ def test_make_env_max_steps():
     assert params.max_steps_in_episode == 500  # gymnax's CartPole-v1 default
 
 
+@pytest.mark.parametrize('name', ['CartPole-v1', 'Asterix-MinAtar', 'FourRooms-misc'])
+def test_step_first_episode_equals_env_step_until_the_episode_ends(name):
+    """The no-auto-reset step gives env.step's outputs, randomness included
+    (Asterix spawns and FourRooms slips with the step's key), up to and
+    including the step that ends the first episode."""
+    env, params = common.make_env(name, max_steps=30)
+    plain = jax.jit(lambda k, s, a: env.step(k, s, a, params))
+    first = jax.jit(lambda k, s, a: common.step_first_episode(env, k, s, a, params))
+    key = jax.random.PRNGKey(0)
+    _, state = env.reset(key, params)
+    n_actions = env.action_space(params).n
+    for t in range(40):
+        key, step_key, action_key = jax.random.split(key, 3)
+        action = jax.random.randint(action_key, (), 0, n_actions)
+        _, plain_state, *plain_out, plain_info = plain(step_key, state, action)
+        obs, first_state, *first_out, first_info = first(step_key, state, action)
+        assert_trees_bitwise_equal(first_out, plain_out)  # reward, terminated, truncated
+        assert_trees_bitwise_equal(obs, plain_info['final_observation'])
+        assert_trees_bitwise_equal(first_info['final_observation'], obs)
+        if bool(plain_out[1] | plain_out[2]):
+            break
+        assert_trees_bitwise_equal(first_state, plain_state)
+        state = plain_state
+    assert t >= 1  # the episode lasted a few steps and ended inside the loop
+    assert bool(plain_out[1] | plain_out[2])
+
+
 # ---------------------------------------------------------------------------
 # 8. MLP, and `import common` not importing gymnax.
 # ---------------------------------------------------------------------------
