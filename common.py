@@ -409,10 +409,18 @@ def enable_compile_cache(path):
         jax.config.update('jax_persistent_cache_min_compile_time_secs', 0.2)
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends each flag's default, unless its help already says what it is."""
+
+    def _get_help_string(self, action):
+        if '(default' in (action.help or ''):
+            return action.help
+        return super()._get_help_string(action)
+
+
 def build_parser(config_cls, prog, description):
     """A parser with one flag per config field plus the run flags."""
-    parser = ArgumentParser(prog=prog, description=description,
-                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = ArgumentParser(prog=prog, description=description, formatter_class=_HelpFormatter)
     hints = typing.get_type_hints(config_cls)
     for field in dataclasses.fields(config_cls):
         flag = '--' + field.name.replace('_', '-')
@@ -446,7 +454,8 @@ def build_parser(config_cls, prog, description):
     run.add_argument('--quiet', action='store_true', help='no per-epoch lines on stdout')
     run.add_argument('--batch-invariant', default=True, action=argparse.BooleanOptionalAction,
                      help='CPU: bitwise the same numbers for a run alone, in a grid or sharded '
-                          '(XLA without YNNPACK fusions and algebraic simplifier)')
+                          '(XLA without its algebraic simplifier and YNNPACK fusions other '
+                          'than matmuls)')
     run.add_argument('--compile-cache', default=DEFAULT_COMPILE_CACHE,
                      help="XLA's persistent compilation cache dir ('none': off); a rerun "
                           'of the same program skips most of its compile time')
