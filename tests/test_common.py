@@ -886,6 +886,20 @@ def test_config_help_lists_kebab_flags(capsys):
     assert '--max_slice_length' not in out
 
 
+@pytest.mark.parametrize('script', ['dqn', 'pg'])
+def test_help_states_each_default_once(script):
+    """Every flag's help ends with its default, said once (a help text that
+    already explains the default, e.g. '(default: --epochs)', gets no second)."""
+    module = __import__(script)
+    parser = common.build_parser(module.Config, f'{script}.py', '')
+    formatter = parser._get_formatter()
+    for action in parser._actions:
+        if action.dest == 'help':
+            continue
+        text = formatter._get_help_string(action) % {'default': action.default}
+        assert text.count('(default') == 1, (action.dest, text)
+
+
 def test_config_sweep_grid_and_runs():
     args = parse(['--lr', '1e-3,3e-4', '--gamma', '0.9,0.99'])
     config, grid = common.config_and_grid(TinyConfig, args)
