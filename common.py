@@ -384,9 +384,9 @@ def compiler_options(batch_invariant=True):
     devices: it turns off XLA's YNNPACK elementwise and reduction fusions,
     which pick other kernels (other rounding) for another number of runs, and
     the algebraic simplifier, which reassociates divisions differently in a
-    sharded program. YNNPACK's matmul fusions stay: they are invariant and the fastest
-    (64 CartPole DQN seeds: 16 s with them alone, 17 s with XLA's default
-    fusions, 23 s with none); algsimp costs nothing measurable.
+    sharded program. YNNPACK's matmul fusions stay: they are invariant and
+    the fastest (64 CartPole DQN seeds: 16 s with them alone, 17 s with XLA's
+    default fusions, 23 s with none); algsimp costs nothing measurable.
     """
     if jax.default_backend() != 'cpu':
         return None

@@ -5,9 +5,8 @@ minus the batch's mean return, Trax's `_value_fn`; optional advantage
 normalisation) -> evaluation at each (temperature, horizon). Each phase is a
 pure function of the state pytree, and so is the whole epoch (`agent.epoch`),
 vmapped over runs (seeds x hyperparameter grid) and compiled once; Python only
-loops over epochs. Categorical policy for
-Discrete action spaces, Gaussian with a learned state-independent log-std for
-Box ones.
+loops over epochs. Categorical policy for Discrete action spaces, Gaussian
+with a learned state-independent log-std for Box ones.
 
 Trax's semantics are all available as flags; the defaults differ where that
 makes `python pg.py` solve CartPole-v1 for every seed in 40 epochs (each one
