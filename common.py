@@ -7,6 +7,7 @@ Importing it compiles nothing.
 """
 
 import argparse
+import copy
 import dataclasses
 import datetime
 import importlib
@@ -462,6 +463,19 @@ def build_parser(config_cls, prog, description):
     return parser
 
 
+def given_flags(parser, argv):
+    """The dests set on the command line itself, as opposed to by default.
+
+    Lets a layer of settings sit between the defaults and the command line
+    (a saved run's config on resume, an env's settings): a flag typed by the
+    user always wins, a flag left out takes the layer's value.
+    """
+    bare = copy.deepcopy(parser)
+    for action in bare._actions:
+        action.default = argparse.SUPPRESS
+    return set(vars(bare.parse_args(argv)))
+
+
 def config_and_grid(config_cls, args):
     """(config with each sweep field at its first value, {field: [values]})."""
     values, grid = {}, {}
@@ -752,6 +766,7 @@ def main(config_cls, make_agent, check_hyperparameters, prog, description, argv=
     hyperparameters, then run (or resume, or only evaluate) the experiment."""
     parser = build_parser(config_cls, prog, description)
     args = parser.parse_args(argv)
+    args.given = given_flags(parser, argv)
     config, grid = config_and_grid(config_cls, args)
     try:
         check_hyperparameters(config, expand_runs(config, grid, args.seed, 1))

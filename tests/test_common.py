@@ -955,3 +955,13 @@ def test_config_unparseable_int_message_says_what(capsys):
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1
     assert '--max-slice-length' in err and 'int' in err and "'abc'" in err
+
+
+def test_given_flags_names_only_what_the_command_line_set():
+    parser = common.build_parser(TinyConfig, 'tiny', '')
+    assert common.given_flags(parser, []) == set()
+    given = common.given_flags(parser, ['--lr', '1e-3,3e-4', '--no-double-dqn', '--seed', '3'])
+    assert given == {'lr', 'double_dqn', 'seed'}
+    # A flag given at its default value is still given (an explicit choice).
+    assert common.given_flags(parser, ['--gamma', '0.99']) == {'gamma'}
+    assert parser.parse_args([]).lr == 1e-3  # the parser itself keeps its defaults
