@@ -316,9 +316,111 @@ def multifactor(factors='constant * linear_warmup * rsqrt_decay', constant=0.1,
 # ---------------------------------------------------------------------------
 
 
-def option(default, help, sweep=False):
-    """A config field with its --help line; `sweep` fields take a comma list."""
-    return dataclasses.field(default=default, metadata={'help': help, 'sweep': sweep})
+def option(default, help, sweep=False, bounds=None, choices=None):
+    """A config field with its --help line and its constraint.
+
+    `sweep`: the flag takes a comma list (a grid over runs). `bounds`: an
+    interval such as '[1, inf)' or '(0, 1]' that every value must lie in (each
+    tuple entry, each sweep value); an int field without bounds still must fit
+    int32. Every float must be finite, unless its bounds close on inf ('[0,
+    inf]'). `choices`: the allowed strings. `check_fields` enforces them all.
+    """
+    if bounds is not None:
+        Bounds.parse(bounds)  # a malformed interval fails at import, not at run time
+    return dataclasses.field(default=default, metadata={
+        'help': help, 'sweep': sweep, 'bounds': bounds, 'choices': choices})
+
+
+INT32_MAX = 2 ** 31 - 1  # counters and sizes live in int32 arrays
+
+
+@dataclasses.dataclass(frozen=True)
+class Bounds:
+    """An interval, written as in maths: '[1, inf)', '(0, 1]', '[0, 1)'."""
+    low: float
+    high: float
+    low_closed: bool
+    high_closed: bool
+
+    @classmethod
+    def parse(cls, text):
+        text = text.strip()
+        if len(text) < 5 or text[0] not in '[(' or text[-1] not in '])' or ',' not in text:
+            raise ValueError(f'bounds {text!r}: expected an interval like "[0, 1)"')
+        low, high = (float(part) for part in text[1:-1].split(','))
+        return cls(low, high, text[0] == '[', text[-1] == ']')
+
+    def __contains__(self, value):
+        above = value >= self.low if self.low_closed else value > self.low
+        below = value <= self.high if self.high_closed else value < self.high
+        return above and below
+
+    def __str__(self):
+        def number(x):
+            return ('-inf' if x < 0 else 'inf') if math.isinf(x) else f'{x:g}'
+        if math.isinf(self.high) and not self.high_closed:
+            return f'{">=" if self.low_closed else ">"} {number(self.low)}'
+        return (f'in {"[" if self.low_closed else "("}{number(self.low)}, '
+                f'{number(self.high)}{"]" if self.high_closed else ")"}')
+
+
+def _field_kinds(config_cls):
+    hints = typing.get_type_hints(config_cls)
+    return {field.name: _base_type(hints[field.name]) for field in dataclasses.fields(config_cls)}
+
+
+def constraint_text(field, kind):
+    """The constraint as --help shows it, e.g. 'in (0, 1]' or '>= 1' ('' if none)."""
+    if field.metadata.get('choices'):
+        return 'one of ' + ', '.join(field.metadata['choices'])
+    if field.metadata.get('bounds'):
+        return str(Bounds.parse(field.metadata['bounds']))
+    return 'finite' if kind is float else ''
+
+
+def _value_error(field, kind, value):
+    """Why one value breaks the field's constraint, or None if it is fine."""
+    choices, bounds = field.metadata.get('choices'), field.metadata.get('bounds')
+    if choices and value not in choices:
+        return f'must be {constraint_text(field, kind)}'
+    if kind not in (int, float):
+        return None
+    interval = Bounds.parse(bounds) if bounds else None
+    if kind is float and math.isnan(value):
+        return 'must be a number'
+    if kind is float and math.isinf(value) and not (interval and value in interval):
+        return 'must be finite'
+    if interval is not None and value not in interval:
+        return f'must be {interval}'
+    if kind is int and abs(value) > INT32_MAX:
+        return f'must be at most {INT32_MAX} in size (int32)'
+    return None
+
+
+def check_fields(config, grid=None):
+    """Every field's declared constraint, on every value: the config's, each
+    entry of a tuple and each value of a sweep list. Raises UsageError naming
+    the flag. Cross-field rules stay in each script's check_config."""
+    kinds = _field_kinds(type(config))
+    for field in dataclasses.fields(config):
+        kind, is_tuple, _ = kinds[field.name]
+        values = (grid or {}).get(field.name, [getattr(config, field.name)])
+        for value in values:
+            if value is None:  # an Optional field left unset
+                continue
+            for entry in (value if is_tuple else (value,)):
+                why = _value_error(field, kind, entry)
+                if why:
+                    what = 'entries ' if is_tuple else ''
+                    raise UsageError(f'--{field.name.replace("_", "-")} {what}{why}, got '
+                                     f'{_show(value)}')
+
+
+def _show(value):
+    if isinstance(value, tuple):
+        return ','.join(f'{v:g}' if isinstance(v, float) else str(v) for v in value)
+    return f'{value:g}' if isinstance(value, float) else repr(value) if isinstance(
+        value, str) else str(value)
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -427,6 +529,9 @@ def build_parser(config_cls, prog, description):
         flag = '--' + field.name.replace('_', '-')
         kind, is_tuple, optional = _base_type(hints[field.name])
         help_text = field.metadata.get('help', '')
+        constraint = constraint_text(field, kind)
+        if constraint:
+            help_text += f' {{{constraint}}}'
         sweep = field.metadata.get('sweep', False)
         if sweep:
             help_text += ' [comma list = sweep]'
@@ -666,6 +771,77 @@ def epoch_line(epoch, metrics, seconds):
 
 
 # ---------------------------------------------------------------------------
+# Memory: refuse, before compiling, a run that cannot fit. The estimate is a
+# floor: the state twice (a phase's input and output are both alive) plus the
+# largest array any phase materialises. XLA's own out-of-memory error stays
+# the backstop (run_experiment turns it into one line).
+# ---------------------------------------------------------------------------
+
+# Outputs XLA fuses into their consumers instead of materialising.
+_FUSED_PRIMITIVES = {'broadcast_in_dim', 'convert_element_type', 'iota', 'reshape',
+                     'squeeze', 'expand_dims', 'transpose', 'select_n'}
+
+
+def _nbytes(aval):
+    return math.prod(aval.shape) * aval.dtype.itemsize if hasattr(aval, 'shape') else 0
+
+
+def _largest_array(jaxpr):
+    """Bytes of the largest array an equation of `jaxpr` (or of any jaxpr nested
+    in it: scan and while bodies, conds, inner jits) outputs."""
+    largest = 0
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name not in _FUSED_PRIMITIVES:
+            largest = max([largest] + [_nbytes(var.aval) for var in eqn.outvars])
+        for param in eqn.params.values():
+            for inner in (param if isinstance(param, (tuple, list)) else (param,)):
+                inner = getattr(inner, 'jaxpr', inner)  # ClosedJaxpr -> Jaxpr
+                if hasattr(inner, 'eqns'):
+                    largest = max(largest, _largest_array(inner))
+    return largest
+
+
+def memory_needed(agent, hp, keys):
+    """(bytes, what) of the floor estimate for all runs: `hp` and `keys` carry
+    the runs axis; nothing is compiled or run, only traced."""
+    state = jax.eval_shape(jax.vmap(agent.init), keys, hp)
+    state_bytes = sum(_nbytes(leaf) for leaf in jax.tree.leaves(state))
+    phase_bytes = {name: _largest_array(jax.make_jaxpr(jax.vmap(getattr(agent, name)))(
+        hp, state).jaxpr) for name in ('collect', 'train', 'evaluate')}
+    phase, largest = max(phase_bytes.items(), key=lambda item: item[1])
+    return 2 * state_bytes + largest, f'state {state_bytes / 2**30:.2f} GiB x 2 + {phase} ' \
+        f'{largest / 2**30:.2f} GiB'
+
+
+def memory_available(device):
+    """Bytes free on `device`: what it reports (accelerators), else host RAM."""
+    stats = device.memory_stats() if hasattr(device, 'memory_stats') else None
+    if stats and 'bytes_limit' in stats:
+        return stats['bytes_limit'] - stats.get('bytes_in_use', 0)
+    try:
+        with open('/proc/meminfo') as meminfo:
+            fields = dict(line.split(':', 1) for line in meminfo)
+        return int(fields['MemAvailable'].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return os.sysconf('SC_AVPHYS_PAGES') * os.sysconf('SC_PAGE_SIZE')
+
+
+def check_memory(agent, hp, keys, devices, hint):
+    """UsageError if the runs cannot fit on `devices` (sharded evenly over them;
+    devices of the CPU share the host's RAM)."""
+    needed, what = memory_needed(agent, hp, keys)
+    if devices[0].platform == 'cpu':
+        available = memory_available(devices[0])
+    else:
+        needed //= len(devices)
+        available = min(memory_available(device) for device in devices)
+    if needed > available:
+        raise UsageError(
+            f'{len(keys)} run(s) need at least {needed / 2**30:.1f} GiB ({what}) but '
+            f'{available / 2**30:.1f} GiB is available; lower {hint}')
+
+
+# ---------------------------------------------------------------------------
 # The epoch loop (Trax's Agent.run): Python only drives epochs; each phase is
 # one compiled, vmapped pure function over all runs.
 # ---------------------------------------------------------------------------
@@ -686,6 +862,7 @@ class Agent:
     evaluate: typing.Callable
     eval_tags: list  # [(temperature, steps)] evaluated each epoch
     max_steps: int  # the episode cap actually used
+    memory_flags: str = '--num-seeds'  # what to lower when the runs do not fit
 
     def epoch(self, hp, state):
         """One whole epoch, collect -> train -> evaluate, as one pure function:
@@ -769,10 +946,20 @@ def main(config_cls, make_agent, check_hyperparameters, prog, description, argv=
     args.given = given_flags(parser, argv)
     config, grid = config_and_grid(config_cls, args)
     try:
+        check_run_flags(args)
+        check_fields(config, grid)
         check_hyperparameters(config, expand_runs(config, grid, args.seed, 1))
     except UsageError as error:
         parser.error(str(error))
     return run_experiment(make_agent, config, grid, args, prog)
+
+
+def check_run_flags(args):
+    """--num-seeds >= 1 and every run's seed a valid int32 PRNG seed."""
+    if not 1 <= args.num_seeds <= INT32_MAX:
+        raise UsageError(f'--num-seeds must be >= 1, got {args.num_seeds}')
+    if not 0 <= args.seed <= INT32_MAX - args.num_seeds + 1:
+        raise UsageError(f'--seed must be in [0, {INT32_MAX} - num_seeds + 1], got {args.seed}')
 
 
 def run_experiment(make_agent, config, grid, args, prog):
@@ -783,16 +970,32 @@ def run_experiment(make_agent, config, grid, args, prog):
         _fail(prog, str(error))
     except ValueError as error:  # corrupt / mismatched checkpoint, remaining_evals
         _fail(prog, str(error), status=1)
+    except (jax.errors.JaxRuntimeError, MemoryError) as error:
+        if not _out_of_memory(error):
+            raise
+        # check_memory's estimate is a floor; this is XLA finding it short.
+        first_line = (str(error).strip().splitlines() or ['MemoryError'])[0][:300]
+        _fail(prog, f'out of memory: {first_line}; any checkpoint in --output-dir is kept '
+                    '(lower --num-seeds, the grid or the buffer sizes)', status=1)
+
+
+def _out_of_memory(error):
+    text = str(error)
+    return isinstance(error, MemoryError) or 'RESOURCE_EXHAUSTED' in text \
+        or 'out of memory' in text.lower()
 
 
 def _run_experiment(make_agent, config, grid, args, prog):
     wall_start = time.time()
     enable_compile_cache(getattr(args, 'compile_cache', None))
-    if args.num_seeds < 1:
-        raise UsageError(f'--num-seeds must be >= 1, got {args.num_seeds}')
+    check_run_flags(args)
     runs = expand_runs(config, grid, args.seed, args.num_seeds)
     agent = make_agent(config)  # validates the config and the env
     hp = hyperparameters(config, runs)
+    check_memory(agent, hp, jax.ShapeDtypeStruct((len(runs), 2), jnp.uint32),
+                 jax.devices() if args.device is None else [jax.devices()[args.device]]
+                 if 0 <= args.device < len(jax.devices()) else jax.devices(),
+                 agent.memory_flags)
 
     output_dir = args.output_dir
     if output_dir is None:
@@ -809,7 +1012,8 @@ def _run_experiment(make_agent, config, grid, args, prog):
                   'seed': args.seed, 'num_seeds': args.num_seeds}
     run_config = json.loads(json.dumps(run_config))  # tuples -> lists, as saved
     sharding = _run_sharding(len(runs), args.device)
-    keys = jnp.stack([jax.random.PRNGKey(run['seed']) for run in runs])
+    # Each run's key is PRNGKey(its seed), built in one call (not one per run).
+    keys = jax.vmap(jax.random.PRNGKey)(jnp.asarray([run['seed'] for run in runs], jnp.int32))
     hp = jax.device_put(hp, sharding)
     keys = jax.device_put(keys, sharding)
 
