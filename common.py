@@ -986,16 +986,61 @@ def _out_of_memory(error):
 
 
 def _run_experiment(make_agent, config, grid, args, prog):
+    run = _set_up(make_agent, config, grid, args, prog)
+    state, phases, finite = _compile_phases(run, args)
+    if run.resuming:
+        state = _restore(run, state)
+    elif not args.only_eval:
+        atomic_write_bytes(os.path.join(run.output_dir, 'config.json'),
+                           json.dumps(run.run_config, indent=2).encode())
+    if args.only_eval:
+        return _only_eval(run, phases, state, args)
+    last = _epoch_loop(run, phases, finite, state, args, prog)
+    _finish(run, args)
+    return last
+
+
+@dataclasses.dataclass
+class _Run:
+    """What the driver's pieces share about one experiment (all its runs)."""
+    agent: Agent
+    config: typing.Any
+    runs: list  # one dict per run: seed and grid values
+    hp: typing.Any  # the runs' hyperparameters, [n_runs, ...] on `sharding`
+    keys: typing.Any  # one PRNG key per run
+    sharding: typing.Any
+    output_dir: str
+    run_config: dict  # what config.json and the checkpoint record
+    resuming: bool
+    wall_start: float
+    compile_s: float = 0.0
+    start_epoch: int = 0
+    history: list = dataclasses.field(default_factory=list)  # metric records so far
+
+    @property
+    def checkpoint_path(self):
+        return os.path.join(self.output_dir, 'checkpoint.npz')
+
+    @property
+    def previous_path(self):
+        return os.path.join(self.output_dir, 'checkpoint.prev.npz')
+
+    @property
+    def metrics_path(self):
+        return os.path.join(self.output_dir, 'metrics.jsonl')
+
+
+def _set_up(make_agent, config, grid, args, prog):
+    """Check the flags and the output dir (and a saved run there) before compiling."""
     wall_start = time.time()
     enable_compile_cache(getattr(args, 'compile_cache', None))
     check_run_flags(args)
     runs = expand_runs(config, grid, args.seed, args.num_seeds)
     agent = make_agent(config)  # validates the config and the env
     hp = hyperparameters(config, runs)
+    sharding = _run_sharding(len(runs), args.device)
     check_memory(agent, hp, jax.ShapeDtypeStruct((len(runs), 2), jnp.uint32),
-                 jax.devices() if args.device is None else [jax.devices()[args.device]]
-                 if 0 <= args.device < len(jax.devices()) else jax.devices(),
-                 agent.memory_flags)
+                 sorted(sharding.device_set, key=lambda device: device.id), agent.memory_flags)
 
     output_dir = args.output_dir
     if output_dir is None:
@@ -1011,41 +1056,51 @@ def _run_experiment(make_agent, config, grid, args, prog):
     run_config = {'algorithm': agent.name, **dataclasses.asdict(config), 'grid': grid,
                   'seed': args.seed, 'num_seeds': args.num_seeds}
     run_config = json.loads(json.dumps(run_config))  # tuples -> lists, as saved
-    sharding = _run_sharding(len(runs), args.device)
     # Each run's key is PRNGKey(its seed), built in one call (not one per run).
     keys = jax.vmap(jax.random.PRNGKey)(jnp.asarray([run['seed'] for run in runs], jnp.int32))
-    hp = jax.device_put(hp, sharding)
-    keys = jax.device_put(keys, sharding)
-
-    history, start_epoch = [], 0
-    previous_path = os.path.join(output_dir, 'checkpoint.prev.npz')
-    if not os.path.exists(checkpoint_path) and os.path.exists(previous_path):
+    run = _Run(agent=agent, config=config, runs=runs, hp=jax.device_put(hp, sharding),
+               keys=jax.device_put(keys, sharding), sharding=sharding, output_dir=output_dir,
+               run_config=run_config, resuming=False, wall_start=wall_start)
+    if not os.path.exists(checkpoint_path) and os.path.exists(run.previous_path):
         # A crash between the two renames of a save: the previous one is whole.
-        os.replace(previous_path, checkpoint_path)
-    resuming = os.path.exists(checkpoint_path)
-    if resuming:  # refuse a broken checkpoint or another config before compiling
-        try:
-            saved = read_checkpoint_metadata(checkpoint_path)
-        except ValueError as error:
-            hint = (f'; the previous checkpoint {previous_path} is intact: move it to '
-                    f'{checkpoint_path} to resume from it' if os.path.exists(previous_path)
-                    else '')
-            raise ValueError(f'{error}{hint}') from None
-        differing = config_differences(saved['config'], run_config)
-        if differing == ['lr_decay_epochs']:  # --epochs grew; the schedule is pinned
-            raise UsageError(
-                f'{output_dir} holds a run whose learning rate decays to 0 over '
-                f'{saved["config"]["lr_decay_epochs"]} epochs; to extend it add '
-                f'--lr-decay-epochs {saved["config"]["lr_decay_epochs"]} (its schedule, '
-                'lr 0 from then on) or start a new run with a larger --lr-decay-epochs '
-                'or --lr-schedule constant')
-        if differing:
-            raise UsageError(
-                f'{output_dir} holds a run with a different config; differing: '
-                + ', '.join(f'{name} (saved {saved["config"].get(name)!r}, now '
-                            f'{run_config.get(name)!r})' for name in differing)
-                + '; use another --output-dir')
+        os.replace(run.previous_path, checkpoint_path)
+    run.resuming = os.path.exists(checkpoint_path)
+    if run.resuming:  # refuse a broken checkpoint or another config before compiling
+        _check_saved_config(run)
+    return run
+
+
+def _check_saved_config(run):
+    """The saved run's config must be this one, up to HARMLESS_FIELDS."""
+    try:
+        saved = read_checkpoint_metadata(run.checkpoint_path)
+    except ValueError as error:
+        hint = (f'; the previous checkpoint {run.previous_path} is intact: move it to '
+                f'{run.checkpoint_path} to resume from it' if os.path.exists(run.previous_path)
+                else '')
+        raise ValueError(f'{error}{hint}') from None
+    differing = config_differences(saved['config'], run.run_config)
+    if differing == ['lr_decay_epochs']:  # --epochs grew; the schedule is pinned
+        raise UsageError(
+            f'{run.output_dir} holds a run whose learning rate decays to 0 over '
+            f'{saved["config"]["lr_decay_epochs"]} epochs; to extend it add '
+            f'--lr-decay-epochs {saved["config"]["lr_decay_epochs"]} (its schedule, '
+            'lr 0 from then on) or start a new run with a larger --lr-decay-epochs '
+            'or --lr-schedule constant')
+    if differing:
+        raise UsageError(
+            f'{run.output_dir} holds a run with a different config; differing: '
+            + ', '.join(f'{name} (saved {saved["config"].get(name)!r}, now '
+                        f'{run.run_config.get(name)!r})' for name in differing)
+            + '; use another --output-dir')
+
+
+def _compile_phases(run, args):
+    """Compile init, the three phases and the finiteness check; run init.
+    Returns (initial state, {phase name: compiled}, compiled finite check)."""
     compile_start = time.time()
+    sharding = run.sharding
+    options = compiler_options(getattr(args, 'batch_invariant', True))
     def compiled(function, *example):  # every leaf of every input/output is [n_runs, ...]
         vectorized = jax.vmap(function)
         if isinstance(sharding, jax.sharding.NamedSharding):
@@ -1056,100 +1111,121 @@ def _run_experiment(make_agent, config, grid, args, prog):
                                        in_specs=(spec,) * len(example), out_specs=spec,
                                        check_vma=False)
         return jax.jit(vectorized, in_shardings=sharding, out_shardings=sharding).lower(
-            *example).compile(compiler_options=compiler_options(getattr(args, 'batch_invariant', True)))
-    state = compiled(agent.init, keys, hp)(keys, hp)
-    phases = {name: compiled(getattr(agent, name), hp, state)
+            *example).compile(compiler_options=options)
+    state = compiled(run.agent.init, run.keys, run.hp)(run.keys, run.hp)
+    phases = {name: compiled(getattr(run.agent, name), run.hp, state)
               for name in ('collect', 'train', 'evaluate')}
     finite = jax.jit(_finite_floats).lower(state.params).compile()
-    compile_s = time.time() - compile_start
+    run.compile_s = time.time() - compile_start
+    return state, phases, finite
 
-    if resuming:
-        restored, saved = load_checkpoint(checkpoint_path, state)
-        state = jax.device_put(restored, sharding)
-        start_epoch = saved['epoch']
-        history = read_history(os.path.join(output_dir, 'metrics.jsonl'), start_epoch)
-        # Trax's check that the trainer is at an epoch boundary.
-        for step in np.unique(np.asarray(state.train_step)):
-            try:
-                left = remaining_evals(int(step), start_epoch + 1, config.train_steps_per_epoch,
-                                       config.evals_per_epoch)
-            except ValueError as error:
-                left = error
-            if left != config.evals_per_epoch:
-                raise ValueError(f'checkpoint {checkpoint_path}: trainer step {int(step)} is not '
-                                 f'at the end of epoch {start_epoch} ({left} evals left)')
-    elif not args.only_eval:
-        atomic_write_bytes(os.path.join(output_dir, 'config.json'),
-                           json.dumps(run_config, indent=2).encode())
 
-    if args.only_eval:
-        _, metrics = phases['evaluate'](hp, state)
-        metrics = {name: np.asarray(value) for name, value in jax.device_get(metrics).items()}
-        records = metric_records(start_epoch, metrics, runs)
-        write_jsonl(os.path.join(output_dir, 'eval.jsonl'), records)
-        if not args.quiet:
-            for name, values in metrics.items():
-                print(f'epoch {start_epoch} {name}: {_mean_min(values)}')
-        return metrics
+def _restore(run, state):
+    """Load the checkpoint into `state`'s structure; set start_epoch and history."""
+    config = run.config
+    restored, saved = load_checkpoint(run.checkpoint_path, state)
+    state = jax.device_put(restored, run.sharding)
+    run.start_epoch = saved['epoch']
+    run.history = read_history(run.metrics_path, run.start_epoch)
+    # Trax's check that the trainer is at an epoch boundary.
+    for step in np.unique(np.asarray(state.train_step)):
+        try:
+            left = remaining_evals(int(step), run.start_epoch + 1, config.train_steps_per_epoch,
+                                   config.evals_per_epoch)
+        except ValueError as error:
+            left = error
+        if left != config.evals_per_epoch:
+            raise ValueError(f'checkpoint {run.checkpoint_path}: trainer step {int(step)} is not '
+                             f'at the end of epoch {run.start_epoch} ({left} evals left)')
+    return state
 
-    metrics_path = os.path.join(output_dir, 'metrics.jsonl')
+
+def _only_eval(run, phases, state, args):
+    """--only-eval: one evaluation of the saved parameters, into eval.jsonl."""
+    _, metrics = phases['evaluate'](run.hp, state)
+    metrics = {name: np.asarray(value) for name, value in jax.device_get(metrics).items()}
+    records = metric_records(run.start_epoch, metrics, run.runs)
+    write_jsonl(os.path.join(run.output_dir, 'eval.jsonl'), records)
+    if not args.quiet:
+        for name, values in metrics.items():
+            print(f'epoch {run.start_epoch} {name}: {_mean_min(values)}')
+    return metrics
+
+
+def _run_epoch(run, phases, state):
+    """Collect, train, evaluate: (state, metrics as numpy [n_runs], with timings)."""
+    n_runs = len(run.runs)
+    epoch_start = time.time()
+    state, collect_metrics = phases['collect'](run.hp, state)
+    jax.block_until_ready(state)
+    collect_s = time.time() - epoch_start
+    state, train_metrics = phases['train'](run.hp, state)
+    jax.block_until_ready(state)
+    train_s = time.time() - epoch_start - collect_s
+    state, eval_metrics = phases['evaluate'](run.hp, state)
+    metrics = {**collect_metrics, **train_metrics, **eval_metrics}
+    metrics = {name: np.asarray(value) for name, value in jax.device_get(metrics).items()}
+    new_steps = metrics.pop('rl/new_interactions')
+    metrics['rl/n_interactions_per_second'] = new_steps / max(collect_s, 1e-9)
+    metrics['timing/collect'] = np.full(n_runs, collect_s)
+    metrics['timing/train'] = np.full(n_runs, train_s)
+    metrics['timing/epoch'] = np.full(n_runs, time.time() - epoch_start)
+    metrics['timing/since_start'] = np.full(n_runs, time.time() - run.wall_start)
+    return state, metrics
+
+
+def _epoch_loop(run, phases, finite, state, args, prog):
+    """Epochs start_epoch+1 .. config.epochs: metrics, checkpoints, the NaN guard
+    and Ctrl-C. Returns the last epoch's metrics."""
+    config = run.config
     # The checkpoint decides: drop lines of epochs after it (they are redone).
-    atomic_write_bytes(metrics_path, b''.join(
-        (json.dumps(record) + '\n').encode() for record in history))
+    atomic_write_bytes(run.metrics_path, b''.join(
+        (json.dumps(record) + '\n').encode() for record in run.history))
     last = {}
     with _Interrupt() as interrupt:
-        for epoch in range(start_epoch + 1, config.epochs + 1):
+        for epoch in range(run.start_epoch + 1, config.epochs + 1):
             epoch_start = time.time()
-            state, collect_metrics = phases['collect'](hp, state)
-            jax.block_until_ready(state)
-            collect_s = time.time() - epoch_start
-            state, train_metrics = phases['train'](hp, state)
-            jax.block_until_ready(state)
-            train_s = time.time() - epoch_start - collect_s
-            state, eval_metrics = phases['evaluate'](hp, state)
-            metrics = {**collect_metrics, **train_metrics, **eval_metrics}
-            metrics = {name: np.asarray(value) for name, value in jax.device_get(metrics).items()}
-            new_steps = metrics.pop('rl/new_interactions')
-            metrics['rl/n_interactions_per_second'] = new_steps / max(collect_s, 1e-9)
-            metrics['timing/collect'] = np.full(len(runs), collect_s)
-            metrics['timing/train'] = np.full(len(runs), train_s)
-            metrics['timing/epoch'] = np.full(len(runs), time.time() - epoch_start)
-            metrics['timing/since_start'] = np.full(len(runs), time.time() - wall_start)
+            state, metrics = _run_epoch(run, phases, state)
             bad = [name for name, values in metrics.items()
                    if name.startswith('metrics/') and not np.all(np.isfinite(values))]
             if bad or not bool(finite(state.params)):
                 what = ', '.join(bad) if bad else 'network parameters'
                 _fail(prog, f'non-finite {what} in epoch {epoch}; stopped, the checkpoint '
-                            f'of epoch {epoch - 1} in {output_dir} is kept', status=1)
-            records = metric_records(epoch, metrics, runs)
-            history.extend(records)
+                            f'of epoch {epoch - 1} in {run.output_dir} is kept', status=1)
+            records = metric_records(epoch, metrics, run.runs)
+            run.history.extend(records)
             # Metrics first, then the checkpoint: a crash between the two leaves
             # lines of an epoch the resumed run recomputes identically.
-            write_jsonl(metrics_path, records)
+            write_jsonl(run.metrics_path, records)
             if epoch % config.checkpoint_every == 0 or epoch == config.epochs \
                     or interrupt.requested:
-                save_checkpoint(checkpoint_path, state, {'config': run_config, 'epoch': epoch},
-                                previous=previous_path)
+                save_checkpoint(run.checkpoint_path, state,
+                                {'config': run.run_config, 'epoch': epoch},
+                                previous=run.previous_path)
             last = metrics
             if not args.quiet:
                 print(epoch_line(epoch, metrics, time.time() - epoch_start), flush=True)
             if interrupt.requested:
                 print(f'interrupted after epoch {epoch}; rerun with --output-dir '
-                      f'{output_dir} to resume', file=sys.stderr)
+                      f'{run.output_dir} to resume', file=sys.stderr)
                 sys.exit(130)
+    return last
 
-    summary = _summary(agent, config, runs, history, wall_start, compile_s,
-                       getattr(args, 'batch_invariant', True))
-    atomic_write_bytes(os.path.join(output_dir, 'summary.json'),
+
+def _finish(run, args):
+    """summary.json, the optional plot and the final line."""
+    summary = _summary(run.agent, run.config, run.runs, run.history, run.wall_start,
+                       run.compile_s, getattr(args, 'batch_invariant', True))
+    atomic_write_bytes(os.path.join(run.output_dir, 'summary.json'),
                        json.dumps(summary, indent=2).encode())
     if args.plot:
-        plot_learning_curves(history, agent, config.env, os.path.join(output_dir, 'learning_curve.png'))
+        plot_learning_curves(run.history, run.agent, run.config.env,
+                             os.path.join(run.output_dir, 'learning_curve.png'))
     if not args.quiet:
         finals = summary['final_eval_return']
-        print(f'done: {len(runs)} run(s), final greedy return {_mean_min(finals)}, '
-              f'wall {summary["wall_s"]:.1f}s (compile {compile_s:.1f}s), '
-              f'results in {output_dir}')
-    return last
+        print(f'done: {len(run.runs)} run(s), final greedy return {_mean_min(finals)}, '
+              f'wall {summary["wall_s"]:.1f}s (compile {run.compile_s:.1f}s), '
+              f'results in {run.output_dir}')
 
 
 def eval_key(temperature, steps):
