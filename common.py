@@ -476,6 +476,57 @@ def given_flags(parser, argv):
     return set(vars(bare.parse_args(argv)))
 
 
+RUN_FIELDS = ('seed', 'num_seeds')  # run flags a saved run's config records
+
+
+def saved_run_config(output_dir):
+    """The config a run in output_dir was saved with (its checkpoint's, or the
+    previous checkpoint's when a save was cut between its renames); None when
+    there is no readable one (a broken checkpoint is reported when resuming)."""
+    if not output_dir:
+        return None
+    for name in ('checkpoint.npz', 'checkpoint.prev.npz'):
+        path = os.path.join(output_dir, name)
+        if os.path.isfile(path):
+            try:
+                return read_checkpoint_metadata(path)['config']
+            except (ValueError, KeyError, TypeError):
+                return None
+    return None
+
+
+def take_saved_config(config_cls, args, saved):
+    """Resume: every config field and run flag not given on the command line
+    (args.given) takes the saved run's value, its grid included.
+
+    A saved config of another algorithm or version (other fields) is left
+    alone: resuming refuses it, naming the fields that differ.
+    """
+    fields = {field.name: field for field in dataclasses.fields(config_cls)}
+    if set(saved) - {'algorithm', 'grid', *RUN_FIELDS} != set(fields):
+        return
+    hints = typing.get_type_hints(config_cls)
+    grid = saved.get('grid') or {}
+    for name in [*fields, *RUN_FIELDS]:
+        if name in args.given or name not in saved:
+            continue
+        value = grid.get(name, saved[name])
+        if name in fields and value is not None and _base_type(hints[name])[1]:
+            value = tuple(value)  # JSON keeps tuples as lists
+        setattr(args, name, list(value) if name in grid else value)
+    horizon = saved.get('lr_decay_epochs')
+    if ('lr_decay_epochs' not in args.given and not args.only_eval and horizon is not None
+            and 'linear_decay' in str(args.lr_schedule) and args.epochs > horizon):
+        raise UsageError(pinned_schedule_message(args.output_dir, horizon))
+
+
+def pinned_schedule_message(output_dir, horizon):
+    return (f'{output_dir} holds a run whose learning rate decays to 0 over {horizon} '
+            f'epochs; to extend it add --lr-decay-epochs {horizon} (its schedule, lr 0 from '
+            'then on) or start a new run with a larger --lr-decay-epochs or --lr-schedule '
+            'constant')
+
+
 def config_and_grid(config_cls, args):
     """(config with each sweep field at its first value, {field: [values]})."""
     values, grid = {}, {}
@@ -762,13 +813,16 @@ def config_differences(saved, current):
 
 
 def main(config_cls, make_agent, check_hyperparameters, prog, description, argv=None):
-    """The command line of dqn.py / pg.py: parse flags, check every run's
-    hyperparameters, then run (or resume, or only evaluate) the experiment."""
+    """The command line of dqn.py / pg.py: parse flags (on resume, the saved
+    config fills in the flags not given), check every run's hyperparameters, then run (or resume, or only evaluate) the experiment."""
     parser = build_parser(config_cls, prog, description)
     args = parser.parse_args(argv)
     args.given = given_flags(parser, argv)
-    config, grid = config_and_grid(config_cls, args)
     try:
+        saved = saved_run_config(args.output_dir)
+        if saved is not None:  # resume: what the command line leaves out is the saved run's
+            take_saved_config(config_cls, args, saved)
+        config, grid = config_and_grid(config_cls, args)
         check_hyperparameters(config, expand_runs(config, grid, args.seed, 1))
     except UsageError as error:
         parser.error(str(error))
@@ -879,12 +933,8 @@ def _check_saved_config(run):
         raise ValueError(f'{error}{hint}') from None
     differing = config_differences(saved['config'], run.run_config)
     if differing == ['lr_decay_epochs']:  # --epochs grew; the schedule is pinned
-        raise UsageError(
-            f'{run.output_dir} holds a run whose learning rate decays to 0 over '
-            f'{saved["config"]["lr_decay_epochs"]} epochs; to extend it add '
-            f'--lr-decay-epochs {saved["config"]["lr_decay_epochs"]} (its schedule, '
-            'lr 0 from then on) or start a new run with a larger --lr-decay-epochs '
-            'or --lr-schedule constant')
+        raise UsageError(pinned_schedule_message(run.output_dir,
+                                                 saved['config']['lr_decay_epochs']))
     if differing:
         raise UsageError(
             f'{run.output_dir} holds a run with a different config; differing: '
