@@ -1,9 +1,10 @@
 """Contract tests for common.py (rlax style).
 
 Every advantage estimator is checked against a plain-numpy loop reference
-written here straight from SPEC section 3 (no code from common.py is used in
-the references), against the values Trax 1.4.1 computed, and under jit/vmap.
-Then remaining_evals (SPEC section 2), checkpoints (SPEC section 6), schedules,
+written here straight from the formulas of docs/trax.md section 4 (no code
+from common.py is used in the references), against the values Trax 1.4.1
+computed, and under jit/vmap. Then remaining_evals (docs/trax.md section 3),
+checkpoints (docs/trax.md section 1), schedules,
 make_env, the MLP, and the config-flag plumbing.
 """
 
@@ -32,7 +33,7 @@ RTOL, ATOL = 1e-5, 1e-5
 
 
 # ---------------------------------------------------------------------------
-# Plain-numpy loop references, from the SPEC formulas (float64, element by element).
+# Plain-numpy loop references, from docs/trax.md section 4 (float64, element by element).
 # ---------------------------------------------------------------------------
 
 
@@ -253,7 +254,7 @@ def test_references_agree_with_each_other():
 
 
 # ---------------------------------------------------------------------------
-# 2. Values computed by Trax 1.4.1 and the SPEC's extra examples.
+# 2. Values computed by Trax 1.4.1 and the further checks of docs/trax.md section 4.
 # ---------------------------------------------------------------------------
 
 TRAX_TABLE = [
@@ -392,7 +393,7 @@ def test_discounted_returns_and_mask_discount_jit_and_vmap():
 
 
 # ---------------------------------------------------------------------------
-# 4. remaining_evals (SPEC section 2).
+# 4. remaining_evals (docs/trax.md section 3).
 # ---------------------------------------------------------------------------
 
 
