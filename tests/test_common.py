@@ -966,3 +966,58 @@ def test_given_flags_names_only_what_the_command_line_set():
     # A flag given at its default value is still given (an explicit choice).
     assert common.given_flags(parser, ['--gamma', '0.99']) == {'gamma'}
     assert parser.parse_args([]).lr == 1e-3  # the parser itself keeps its defaults
+
+
+# ---------------------------------------------------------------------------
+# The progress line and TensorBoard run names.
+# ---------------------------------------------------------------------------
+
+
+def test_epoch_line_shows_epoch_of_total_recent_return_and_time_left():
+    metrics = {'rl/n_interactions': np.array([1024, 1024]),
+               'rl/avg_return': np.array([np.nan, np.nan]),  # no episode ended this epoch
+               'rl/avg_return_temperature0.00_steps500': np.array([500.0, 480.0]),
+               'metrics/value_loss': np.array([0.5, 0.25])}
+    line = common.epoch_line(7, 150, metrics, np.array([210.0, 190.0]), 0.5, 3725)
+    assert line == ('epoch   7/150 | steps 1024 | return 200.0 (min 190.0) | eval T0.00@500 '
+                    '490.0 (min 480.0) | value_loss 0.375 | 0.50s | left 1h02m')
+    assert common.epoch_line(3, 5, metrics, np.array([np.nan, np.nan]), 0.5, 65).endswith(
+        '| 0.50s | left 1m05s')
+    assert 'return n/a' in common.epoch_line(3, 5, metrics, np.array([np.nan, np.nan]), 1, 0)
+
+
+def test_recent_returns_are_the_last_epoch_in_which_an_episode_ended():
+    history = [{'epoch': 2, 'run': 0, 'rl/avg_return': None},
+               {'epoch': 1, 'run': 0, 'rl/avg_return': 20.0},
+               {'epoch': 1, 'run': 1, 'rl/avg_return': None},
+               {'epoch': 2, 'run': 1, 'rl/avg_return': 30.0}]
+    np.testing.assert_array_equal(common.recent_returns(history, 3), [20.0, 30.0, np.nan])
+
+
+def test_run_names_name_grid_values_and_seed():
+    runs = [{'seed': 3, 'lr': 0.01, 'gamma': 0.99}, {'seed': 4, 'lr': 0.003, 'gamma': 0.99}]
+    assert common.run_names(runs, {'lr': [0.01, 0.003]}) == ['lr=0.01,seed=3', 'lr=0.003,seed=4']
+    assert common.run_names(runs[:1], {}) == ['seed=3']
+    twins = [{'seed': 3, 'lr': 0.01}, {'seed': 3, 'lr': 0.01}]
+    assert common.run_names(twins, {'lr': [0.01, 0.01]}) == ['lr=0.01,seed=3,run=0',
+                                                              'lr=0.01,seed=3,run=1']
+
+
+def test_take_saved_config_fills_in_what_the_command_line_left_out():
+    parser = common.build_parser(TinyConfig, 'tiny', '')
+    saved = {'algorithm': 'tiny', 'env': 'Acrobot-v1', 'max_slice_length': 4,
+             'double_dqn': False, 'eval_steps': [100, 300], 'max_steps': None, 'lr': 0.01,
+             'gamma': 0.9, 'grid': {'lr': [0.01, 0.003]}, 'seed': 7, 'num_seeds': 2}
+    argv = ['--gamma', '0.95', '--output-dir', 'x']
+    args = parser.parse_args(argv)
+    args.given, args.only_eval = common.given_flags(parser, argv), False
+    common.take_saved_config(TinyConfig, args, saved)
+    config, grid = common.config_and_grid(TinyConfig, args)
+    assert config == TinyConfig(env='Acrobot-v1', max_slice_length=4, double_dqn=False,
+                                eval_steps=(100, 300), max_steps=None, lr=0.01, gamma=0.95)
+    assert grid == {'lr': [0.01, 0.003]} and (args.seed, args.num_seeds) == (7, 2)
+    # A save of another algorithm (other fields) is left alone: resuming names them.
+    args = parser.parse_args([])
+    args.given, args.only_eval = set(), False
+    common.take_saved_config(TinyConfig, args, {**saved, 'hidden_sizes': [8]})
+    assert args.env == 'CartPole-v1' and args.seed == 0
