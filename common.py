@@ -504,7 +504,7 @@ def saved_run_config(output_dir):
             try:
                 return read_checkpoint_metadata(path)['config']
             except (ValueError, KeyError, TypeError):
-                return None
+                continue  # gone (a save's rename) or broken: try the previous one
     return None
 
 
@@ -947,7 +947,8 @@ def config_differences(saved, current):
 
 def main(config_cls, make_agent, check_hyperparameters, prog, description, argv=None):
     """The command line of dqn.py / pg.py: parse flags (on resume, the saved
-    config fills in the flags not given), check every run's hyperparameters, then run (or resume, or only evaluate) the experiment."""
+    config fills in the flags not given), check every run's hyperparameters,
+    then run (or resume, or only evaluate) the experiment."""
     parser = build_parser(config_cls, prog, description)
     args = parser.parse_args(argv)
     args.given = given_flags(parser, argv)
@@ -1029,6 +1030,9 @@ def _set_up(make_agent, config, grid, args, prog):
     enable_compile_cache(getattr(args, 'compile_cache', None))
     if args.num_seeds < 1:
         raise UsageError(f'--num-seeds must be >= 1, got {args.num_seeds}')
+    if getattr(args, 'tensorboard', True) and importlib.util.find_spec('tensorboardX') is None:
+        raise UsageError('TensorBoard summaries need the tensorboardX package '
+                         '(pip install -r requirements.txt); or pass --no-tensorboard')
     runs = expand_runs(config, grid, args.seed, args.num_seeds)
     agent = make_agent(config)  # validates the config and the env
     hp = hyperparameters(config, runs)
@@ -1040,7 +1044,9 @@ def _set_up(make_agent, config, grid, args, prog):
         stamp = datetime.datetime.now().strftime('%Y%m%d-%H%M%S')
         output_dir = os.path.join('runs', f'{agent.name}_{config.env}_s{args.seed}_{stamp}')
     checkpoint_path = os.path.join(output_dir, 'checkpoint.npz')
-    if args.only_eval and not os.path.isfile(checkpoint_path):
+    if args.only_eval and not any(os.path.isfile(os.path.join(output_dir, name))
+                                  for name in ('checkpoint.npz', 'checkpoint.prev.npz')):
+        # (checkpoint.npz alone is briefly absent while a running writer saves)
         raise UsageError(f'--only-eval: no checkpoint at {checkpoint_path}')
     _prepare_output_dir(output_dir, prog)
 
@@ -1049,9 +1055,6 @@ def _set_up(make_agent, config, grid, args, prog):
     run_config = json.loads(json.dumps(run_config))  # tuples -> lists, as saved
     sharding = _run_sharding(len(runs), args.device)
     keys = jnp.stack([jax.random.PRNGKey(run['seed']) for run in runs])
-    if getattr(args, 'tensorboard', True) and importlib.util.find_spec('tensorboardX') is None:
-        raise UsageError('TensorBoard summaries need the tensorboardX package '
-                         '(pip install -r requirements.txt); or pass --no-tensorboard')
     return _Run(agent=agent, config=config, runs=runs, hp=jax.device_put(hp, sharding),
                 keys=jax.device_put(keys, sharding), sharding=sharding, output_dir=output_dir,
                 run_config=run_config, resuming=False, wall_start=wall_start)
