@@ -6,11 +6,11 @@ pure function of the state pytree, and so is the whole epoch (`agent.epoch`),
 vmapped over runs (seeds x hyperparameter grid) and compiled once; Python only
 loops over epochs.
 
-Fixed relative to Trax (SPEC §5): terminal and truncated transitions are
-regression targets; n-step sums stop at termination; time-limit truncation
-bootstraps from the true final observation instead of being treated as a
-terminal; `n_replay_epochs` really keeps that many epochs; the target network
-is synced exactly every `sync_freq` gradient steps.
+Fixed relative to Trax (docs/trax.md, section 6): terminal and truncated
+transitions are regression targets; n-step sums stop at termination;
+time-limit truncation bootstraps from the true final observation instead of
+being treated as a terminal; `n_replay_epochs` really keeps that many epochs;
+the target network is synced exactly every `sync_freq` gradient steps.
 
     python dqn.py --seed 0                 # CartPole-v1, greedy return 500
     python dqn.py --num-seeds 8            # 8 seeds in one vmapped program

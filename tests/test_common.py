@@ -1,9 +1,10 @@
 """Contract tests for common.py (rlax style).
 
 Every advantage estimator is checked against a plain-numpy loop reference
-written here straight from SPEC section 3 (no code from common.py is used in
-the references), against the values Trax 1.4.1 computed, and under jit/vmap.
-Then remaining_evals (SPEC section 2), checkpoints (SPEC section 6), schedules,
+written here straight from the formulas of docs/trax.md section 4 (no code
+from common.py is used in the references), against the values Trax 1.4.1
+computed, and under jit/vmap. Then remaining_evals (docs/trax.md section 3),
+checkpoints (docs/trax.md section 1), schedules,
 make_env, the MLP, and the config-flag plumbing.
 """
 
@@ -33,7 +34,7 @@ RTOL, ATOL = 1e-5, 1e-5
 
 
 # ---------------------------------------------------------------------------
-# Plain-numpy loop references, from the SPEC formulas (float64, element by element).
+# Plain-numpy loop references, from docs/trax.md section 4 (float64, element by element).
 # ---------------------------------------------------------------------------
 
 
@@ -254,7 +255,7 @@ def test_references_agree_with_each_other():
 
 
 # ---------------------------------------------------------------------------
-# 2. Values computed by Trax 1.4.1 and the SPEC's extra examples.
+# 2. Values computed by Trax 1.4.1 and the further checks of docs/trax.md section 4.
 # ---------------------------------------------------------------------------
 
 TRAX_TABLE = [
@@ -393,7 +394,7 @@ def test_discounted_returns_and_mask_discount_jit_and_vmap():
 
 
 # ---------------------------------------------------------------------------
-# 4. remaining_evals (SPEC section 2).
+# 4. remaining_evals (docs/trax.md section 3).
 # ---------------------------------------------------------------------------
 
 
@@ -1047,3 +1048,58 @@ def test_every_int_field_declares_its_bounds(script):
         kind = kinds[field.name][0]
         if kind is int:
             assert field.metadata.get('bounds'), field.name
+
+
+# ---------------------------------------------------------------------------
+# The progress line and TensorBoard run names.
+# ---------------------------------------------------------------------------
+
+
+def test_epoch_line_shows_epoch_of_total_recent_return_and_time_left():
+    metrics = {'rl/n_interactions': np.array([1024, 1024]),
+               'rl/avg_return': np.array([np.nan, np.nan]),  # no episode ended this epoch
+               'rl/avg_return_temperature0.00_steps500': np.array([500.0, 480.0]),
+               'metrics/value_loss': np.array([0.5, 0.25])}
+    line = common.epoch_line(7, 150, metrics, np.array([210.0, 190.0]), 0.5, 3725)
+    assert line == ('epoch   7/150 | steps 1024 | return 200.0 (min 190.0) | eval T0.00@500 '
+                    '490.0 (min 480.0) | value_loss 0.375 | 0.50s | left 1h02m')
+    assert common.epoch_line(3, 5, metrics, np.array([np.nan, np.nan]), 0.5, 65).endswith(
+        '| 0.50s | left 1m05s')
+    assert 'return n/a' in common.epoch_line(3, 5, metrics, np.array([np.nan, np.nan]), 1, 0)
+
+
+def test_recent_returns_are_the_last_epoch_in_which_an_episode_ended():
+    history = [{'epoch': 2, 'run': 0, 'rl/avg_return': None},
+               {'epoch': 1, 'run': 0, 'rl/avg_return': 20.0},
+               {'epoch': 1, 'run': 1, 'rl/avg_return': None},
+               {'epoch': 2, 'run': 1, 'rl/avg_return': 30.0}]
+    np.testing.assert_array_equal(common.recent_returns(history, 3), [20.0, 30.0, np.nan])
+
+
+def test_run_names_name_grid_values_and_seed():
+    runs = [{'seed': 3, 'lr': 0.01, 'gamma': 0.99}, {'seed': 4, 'lr': 0.003, 'gamma': 0.99}]
+    assert common.run_names(runs, {'lr': [0.01, 0.003]}) == ['lr=0.01,seed=3', 'lr=0.003,seed=4']
+    assert common.run_names(runs[:1], {}) == ['seed=3']
+    twins = [{'seed': 3, 'lr': 0.01}, {'seed': 3, 'lr': 0.01}]
+    assert common.run_names(twins, {'lr': [0.01, 0.01]}) == ['lr=0.01,seed=3,run=0',
+                                                              'lr=0.01,seed=3,run=1']
+
+
+def test_take_saved_config_fills_in_what_the_command_line_left_out():
+    parser = common.build_parser(TinyConfig, 'tiny', '')
+    saved = {'algorithm': 'tiny', 'env': 'Acrobot-v1', 'max_slice_length': 4,
+             'double_dqn': False, 'eval_steps': [100, 300], 'max_steps': None, 'lr': 0.01,
+             'gamma': 0.9, 'grid': {'lr': [0.01, 0.003]}, 'seed': 7, 'num_seeds': 2}
+    argv = ['--gamma', '0.95', '--output-dir', 'x']
+    args = parser.parse_args(argv)
+    args.given, args.only_eval = common.given_flags(parser, argv), False
+    common.take_saved_config(TinyConfig, args, saved)
+    config, grid = common.config_and_grid(TinyConfig, args)
+    assert config == TinyConfig(env='Acrobot-v1', max_slice_length=4, double_dqn=False,
+                                eval_steps=(100, 300), max_steps=None, lr=0.01, gamma=0.95)
+    assert grid == {'lr': [0.01, 0.003]} and (args.seed, args.num_seeds) == (7, 2)
+    # A save of another algorithm (other fields) is left alone: resuming names them.
+    args = parser.parse_args([])
+    args.given, args.only_eval = set(), False
+    common.take_saved_config(TinyConfig, args, {**saved, 'hidden_sizes': [8]})
+    assert args.env == 'CartPole-v1' and args.seed == 0
