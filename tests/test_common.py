@@ -4,7 +4,8 @@ Every advantage estimator is checked against a plain-numpy loop reference
 written here straight from SPEC section 3 (no code from common.py is used in
 the references), against the values Trax 1.4.1 computed, and with and without
 jit, vmapped (chex.variants). Their chex contracts: a wrong-shaped call fails
-naming the argument, and adds nothing to the traced program. Then remaining_evals (SPEC section 2), checkpoints (SPEC section 6), schedules,
+naming the argument, and adds nothing to the traced program. Then
+remaining_evals (SPEC section 2), checkpoints (SPEC section 6), schedules,
 make_env, the MLP, and the config-flag plumbing.
 """
 
