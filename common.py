@@ -27,6 +27,7 @@ import types
 import typing
 import zipfile
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -35,16 +36,40 @@ import numpy as np
 # Advantage estimators: trax/rl/advantages.py, same signatures and numerics,
 # rewritten with jnp/lax so they jit and vmap (Trax wrote into numpy arrays).
 # Every array is [batch, length]; a result is [batch, length - margin].
+# Inputs are checked with chex, as rlax does, while tracing: free at run time.
 # ---------------------------------------------------------------------------
 
 
+def check_args(assertion, function, expected, **arrays):
+    """chex `assertion(array, expected)` on each keyword array; its message names
+    the argument that fails (chex's own numbers each call's inputs from 0)."""
+    for name, array in arrays.items():
+        assertion(array, expected, custom_message=f'argument `{name}` of {function}')
+
+
+def _check_estimator_inputs(function, rewards, returns, values, dones, discount_mask):
+    arrays = dict(rewards=rewards, returns=returns, values=values, dones=dones,
+                  discount_mask=discount_mask)
+    check_args(chex.assert_rank, function, 2, **arrays)
+    chex.assert_equal_shape(list(arrays.values()), custom_message=f'{function}: rewards, '
+                            'returns, values, dones, discount_mask share one shape')
+
+
 def mask_discount(discount, discount_mask):
-    """Per-step discount: `discount` where the mask is set, 1 elsewhere."""
+    """Per-step discount: `discount` (a scalar) where the mask is set, 1 elsewhere;
+    elementwise, so the mask may have any shape."""
+    check_args(chex.assert_rank, 'mask_discount', 0, discount=discount)
     return jnp.where(discount_mask, discount, 1.0)
 
 
 def discounted_returns(rewards, gammas):
-    """G_t = r_t + gamma_t * G_{t+1}, summed from the end of each row."""
+    """G_t = r_t + gamma_t * G_{t+1}, summed from the end of each row; `gammas`
+    is [batch, length] or one scalar."""
+    check_args(chex.assert_rank, 'discounted_returns', 2, rewards=rewards)
+    check_args(chex.assert_rank, 'discounted_returns', {0, 2}, gammas=gammas)
+    if jnp.ndim(gammas) == 2:
+        chex.assert_equal_shape([rewards, gammas], custom_message='discounted_returns: '
+                                'rewards, gammas')
     def step(future, reward_and_gamma):
         reward, gamma = reward_and_gamma
         current = reward + gamma * future
@@ -62,6 +87,8 @@ def monte_carlo(gamma, margin):
     del gamma
 
     def estimator(rewards, returns, values, dones, discount_mask):
+        _check_estimator_inputs('monte_carlo estimator', rewards, returns, values, dones,
+                                discount_mask)
         del discount_mask
         length = returns.shape[1]
         returns = jnp.where(dones, rewards, returns)
@@ -79,6 +106,8 @@ def td_k(gamma, margin):
     k = margin
 
     def estimator(rewards, returns, values, dones, discount_mask):
+        _check_estimator_inputs('td_k estimator', rewards, returns, values, dones,
+                                discount_mask)
         del returns
         gammas = mask_discount(gamma, discount_mask)
         length = values.shape[1] - k
@@ -104,6 +133,8 @@ def _lambda_estimator_inputs(gamma, lambda_, values, dones, discount_mask):
 def td_lambda(gamma, margin, lambda_=0.95):
     """TD(lambda) return minus value, computed backwards from the last value."""
     def estimator(rewards, returns, values, dones, discount_mask):
+        _check_estimator_inputs('td_lambda estimator', rewards, returns, values, dones,
+                                discount_mask)
         gammas, lambdas, not_done = _lambda_estimator_inputs(
             gamma, lambda_, values, dones, discount_mask)
         length = returns.shape[1]
@@ -125,6 +156,8 @@ def td_lambda(gamma, margin, lambda_=0.95):
 def gae(gamma, margin, lambda_=0.95):
     """Generalised advantage estimation; the last step's advantage is 0."""
     def estimator(rewards, returns, values, dones, discount_mask):
+        _check_estimator_inputs('gae estimator', rewards, returns, values, dones,
+                                discount_mask)
         gammas, lambdas, not_done = _lambda_estimator_inputs(
             gamma, lambda_, values, dones, discount_mask)
         length = returns.shape[1]
@@ -267,6 +300,11 @@ def init_mlp(key, sizes, last_scale=1.0):
 
 def mlp(params, x):
     """Apply an MLP made by init_mlp; ReLU between layers, linear output."""
+    check_args(chex.assert_rank, 'mlp', 2, **{f'params[{i}]["w"]': layer['w']
+                                              for i, layer in enumerate(params)})
+    check_args(chex.assert_rank, 'mlp', 1, **{f'params[{i}]["b"]': layer['b']
+                                              for i, layer in enumerate(params)})
+    check_args(chex.assert_shape, 'mlp', (..., params[0]['w'].shape[0]), x=x)
     for layer in params[:-1]:
         x = jax.nn.relu(x @ layer['w'] + layer['b'])
     return x @ params[-1]['w'] + params[-1]['b']

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 
+import chex
 import jax
 import numpy as np
 import pytest
@@ -120,10 +121,7 @@ def test_kill_9_then_resume_is_bitwise_identical(algo, reference_runs, cache_dir
     resumed_meta, resumed = checkpoint_leaves(os.path.join(out, 'checkpoint.npz'))
     reference_meta, expected = checkpoint_leaves(os.path.join(reference, 'checkpoint.npz'))
     assert resumed_meta['epoch'] == reference_meta['epoch'] == 5
-    assert len(resumed) == len(expected)
-    for a, b in zip(resumed, expected):
-        assert a.dtype == b.dtype
-        np.testing.assert_array_equal(a, b)
+    chex.assert_trees_all_equal(resumed, expected, strict=True)  # names a differing leaf
 
 
 @pytest.mark.parametrize('algo', ALGOS)
