@@ -425,16 +425,19 @@ def build_parser(config_cls, prog, description):
     hints = typing.get_type_hints(config_cls)
     for field in dataclasses.fields(config_cls):
         flag = '--' + field.name.replace('_', '-')
+        # A name that is a Python keyword plus '_' (Trax's `lambda_`) is typed
+        # without the underscore: --lambda (the literal --lambda- works too).
+        flags = [flag.rstrip('-'), flag] if field.name.endswith('_') else [flag]
         kind, is_tuple, optional = _base_type(hints[field.name])
         help_text = field.metadata.get('help', '')
         sweep = field.metadata.get('sweep', False)
         if sweep:
             help_text += ' [comma list = sweep]'
         if kind is bool:
-            parser.add_argument(flag, dest=field.name, default=field.default,
+            parser.add_argument(*flags, dest=field.name, default=field.default,
                                 action=argparse.BooleanOptionalAction, help=help_text)
         else:
-            parser.add_argument(flag, dest=field.name, default=field.default,
+            parser.add_argument(*flags, dest=field.name, default=field.default,
                                 type=_flag_parser(kind, is_tuple, optional, sweep, flag),
                                 metavar=kind.__name__.upper(), help=help_text)
     run = parser.add_argument_group('run')
