@@ -445,7 +445,7 @@ def minibatch_indices(key, weight, batch_size, step):
 
 def clip_by_global_norm(grads, max_norm):
     """grads scaled to global norm <= max_norm; max_norm 0: unchanged (traced)."""
-    norm = optax.global_norm(grads)
+    norm = optax.tree.norm(grads)
     scale = jnp.where(max_norm > 0, jnp.minimum(1.0, max_norm / jnp.maximum(norm, 1e-12)), 1.0)
     return jax.tree.map(lambda g: g * scale, grads)
 
