@@ -136,8 +136,39 @@ class BoxEcho(BoxTarget):
         return jnp.sum(action)
 
 
+class CountdownOneHot(Countdown):
+    """Countdown observing its time step one-hot, so that a linear value
+    network can represent V exactly."""
+
+    def get_obs(self, state, params=None, key=None):
+        return jax.nn.one_hot(state.time, 6)
+
+    def observation_space(self, params):
+        return spaces.Box(0.0, 1.0, (6,), jnp.float32)
+
+
+class Endless(OneStep):
+    """Reward 1 every step, a constant observation, never terminates: only the
+    time limit (5) ends an episode. Its discounted value is 1 / (1 - gamma)."""
+
+    @property
+    def default_params(self):
+        return ProbeParams(max_steps_in_episode=5)
+
+    def step_env(self, key, state, action, params):
+        state = state.replace(time=state.time + 1)
+        return self.get_obs(state), state, jnp.float32(1.0), jnp.array(False), {}
+
+    def is_terminated(self, state, params):
+        return jnp.array(False)
+
+    def action_space(self, params=None):
+        return spaces.Discrete(2)
+
+
 PROBES = {'PgProbe-OneStep': OneStep, 'PgProbe-Match': Match, 'PgProbe-Countdown': Countdown,
-          'PgProbe-BoxTarget': BoxTarget, 'PgProbe-BoxEcho': BoxEcho}
+          'PgProbe-BoxTarget': BoxTarget, 'PgProbe-BoxEcho': BoxEcho, 'PgProbe-Endless': Endless,
+          'PgProbe-CountdownOneHot': CountdownOneHot}
 for _name, _factory in PROBES.items():
     if _name not in gymnax.registered_envs:
         gymnax.registration.register(_name, _factory)
@@ -855,3 +886,34 @@ def test_minibatches_visit_every_valid_step_once_per_pass():
     for pass_batches in (batches[0:2], batches[2:4], batches[4:6]):
         assert sorted(np.concatenate(pass_batches)) == [0, 2, 3, 5, 6, 7, 8, 9]
     assert not np.array_equal(np.concatenate(batches[0:2]), np.concatenate(batches[2:4]))
+
+
+def trained_value(config, obs, epochs):
+    agent, state, history, _, _ = run_phases(config, epochs=epochs)
+    value_params = jax.tree.map(lambda x: x[0], state.value_params)
+    return np.asarray(agent.value_net(value_params, jnp.asarray(obs))), history
+
+
+@pytest.mark.parametrize('estimator', ['td_lambda', 'monte_carlo'])
+def test_learned_value_matches_the_known_discounted_value(estimator):
+    """Countdown: 5 steps paying 1..5, then termination; V(s_t) = sum_j
+    gamma^j (t + 1 + j), the same whatever the policy (one-hot time steps and
+    a linear value network, which can represent it exactly)."""
+    config = ac_config(env='PgProbe-CountdownOneHot', epochs=20, n_trajectories_per_epoch=8,
+                       max_steps=None, advantage_estimator=estimator,
+                       value_train_steps_per_epoch=40, value_evals_per_epoch=4, value_lr=0.05)
+    expected = [sum(GAMMA ** j * (t + 1 + j) for j in range(5 - t)) for t in range(5)]
+    obs = np.eye(6)[:5]
+    values, history = trained_value(config, obs, config.epochs)
+    np.testing.assert_allclose(values, expected, rtol=0.03)
+
+
+def test_value_bootstraps_through_truncation():
+    """Endless is only ever truncated (at 5 steps): with the bootstrap from
+    V(final obs) its value is 1 / (1 - gamma) = 10; read as terminal (Trax)
+    it would be the mean truncated return, about 2.6."""
+    config = ac_config(env='PgProbe-Endless', epochs=25, n_trajectories_per_epoch=4,
+                       max_steps=None, hidden_sizes=(8,), value_train_steps_per_epoch=40,
+                       value_evals_per_epoch=4, value_lr=0.05)
+    values, _ = trained_value(config, np.ones((1, 2)), config.epochs)
+    assert float(values[0]) == pytest.approx(1 / (1 - GAMMA), rel=0.05)
