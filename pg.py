@@ -1,4 +1,4 @@
-"""Policy gradient (REINFORCE) after Trax's `PolicyGradient` (trax/rl/training.py), in pure JAX.
+"""Policy gradients after Trax: REINFORCE (`PolicyGradient`, trax/rl/training.py), A2C and PPO (trax/rl/actor_critic.py), in pure JAX.
 
 One epoch = collect (temperature 1, gymnax envs) -> train (Monte-Carlo returns
 minus the batch's mean return, Trax's `_value_fn`; optional advantage
@@ -24,6 +24,27 @@ the discounted sum of the rewards it observed (as Trax). With
 `--n-interactions-per-epoch`, an episode still running when an epoch's window
 closes is not trained on yet: its steps wait (in `State.tail`) and train in the
 epoch in which it ends, with its complete Monte-Carlo return.
+
+Actor-critic (`--policy-loss a2c` or `ppo`, Trax's
+`AdvantageBasedActorCriticAgent`): a value network V(s), separate from the
+policy, with its own Adam and learning rate (`--value-lr`), trained first in
+each epoch: `--value-train-steps-per-epoch` L2 steps on minibatches of
+`--value-batch-size` towards targets V_target(s) + A, where A is the chosen
+estimator's advantage (common.py's `monte_carlo`, `td_k`, `td_lambda`, `gae`,
+run on Trax's slices of 1 + `--added-policy-slice-length` steps) over a
+target copy of the network, synced before the first and after each of
+`--value-evals-per-epoch` chunks. Then the policy: advantages from the same
+estimator over the trained value network, normalised per minibatch
+(`factor * (A - mean) / (std + epsilon)`), and `--train-steps-per-epoch`
+steps of the A2C loss `-mean(log pi * A)` or PPO's clipped
+`-mean(min(ratio A, clip(ratio, 1 -+ epsilon) A))`, each minus
+`--entropy-coeff` times the mean entropy; `--batch-size B` makes them passes
+of minibatches of B over the epoch's steps in a fresh random order, 0 uses
+them all each step. Every step trains in the epoch it was collected: an
+episode still running at the end of the epoch's rows bootstraps from V of its
+current observation. A time-limit truncation bootstraps from V of the true
+final observation (`info["final_observation"]`), a termination from nothing;
+Trax treats both as terminal.
 
     python pg.py --seed 0                 # CartPole-v1, greedy return 500
     python pg.py --num-seeds 8            # 8 seeds in one vmapped program

@@ -917,3 +917,60 @@ def test_value_bootstraps_through_truncation():
                        value_evals_per_epoch=4, value_lr=0.05)
     values, _ = trained_value(config, np.ones((1, 2)), config.epochs)
     assert float(values[0]) == pytest.approx(1 / (1 - GAMMA), rel=0.05)
+
+
+# Small CartPole-v1 configs: 16 envs whose episodes run on across epochs,
+# Adam with momentum, gradients clipped at 0.5, Trax's entropy bonus 0.01,
+# GAE over slices of 32 steps.
+AC_CARTPOLE = dict(n_trajectories_per_epoch=None, n_envs=16, advantage_estimator='gae',
+                   adam_b1=0.9, adam_b2=0.999, max_grad_norm=0.5, gamma=0.99,
+                   entropy_coeff=0.01, value_lr=1e-3, n_eval_episodes=4)
+
+
+@pytest.mark.parametrize('policy_loss, overrides', [
+    # PPO: 64 minibatch steps of 128 (4 passes) on 2048 steps per epoch.
+    ('ppo', dict(n_interactions_per_epoch=2048, train_steps_per_epoch=64, batch_size=128,
+                 value_batch_size=128, value_train_steps_per_epoch=64, lr=1e-3, epochs=60)),
+    # A2C: 2 full-batch steps on 1024 steps per epoch.
+    ('a2c', dict(n_interactions_per_epoch=1024, train_steps_per_epoch=2, batch_size=0,
+                 value_batch_size=128, value_train_steps_per_epoch=32, lr=1e-3, epochs=120)),
+])
+def test_actor_critic_solves_cartpole(policy_loss, overrides):
+    config = pg.Config(policy_loss=policy_loss, **AC_CARTPOLE, **overrides)
+    agent, state, history, _, _ = run_phases(config, epochs=config.epochs)
+    key = common.eval_key(0.0, 500)
+    assert float(history[0][key][0]) < 200  # it learned, it did not start there
+    assert float(history[-1][key][0]) >= 475
+    assert np.isfinite(float(history[-1]['metrics/value_loss'][0]))
+
+
+@pytest.mark.parametrize('argv, message', [
+    (['--advantage-estimator', 'gae'], 'needs a value network'),
+    (['--policy-loss', 'ppo', '--advantage-estimator', 'mean_return'], 'trains a value network'),
+    (['--policy-loss', 'sarsa'], '--policy-loss'),
+    (['--policy-loss', 'a2c', '--advantage-estimator', 'nope'], '--advantage-estimator'),
+    (['--policy-loss', 'a2c', '--added-policy-slice-length', '0'], '--added-policy-slice-length'),
+    (['--policy-loss', 'ppo', '--lambda', '1.5'], '--lambda'),
+    (['--policy-loss', 'ppo', '--epsilon', '0'], '--epsilon'),
+    (['--policy-loss', 'ppo', '--value-train-steps-per-epoch', '10',
+      '--value-evals-per-epoch', '3'], 'divisible'),
+    (['--policy-loss', 'ppo', '--scale-value-targets', '--gamma', '1'], '--scale-value-targets'),
+])
+def test_bad_actor_critic_input_exits_2_with_one_line(argv, message, tmp_path, capsys):
+    out = tmp_path / 'bad'
+    with pytest.raises(SystemExit) as exit_info:
+        pg.main([*argv, '--output-dir', str(out), '--quiet'])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and message in err
+    assert not out.exists()  # refused before anything is compiled or written
+
+
+def test_lambda_flag_and_actor_critic_defaults():
+    parser = common.build_parser(pg.Config, 'pg.py', '')
+    args = parser.parse_args(['--lambda', '0.9,0.8', '--policy-loss', 'ppo'])
+    config, grid = common.config_and_grid(pg.Config, args)
+    assert grid == {'lambda_': [0.9, 0.8]} and config.lambda_ == 0.9
+    assert pg.estimator_name(config) == 'td_lambda'  # Trax's actor-critic default
+    assert pg.estimator_name(pg.Config()) == 'mean_return'  # REINFORCE's baseline
+    assert pg.Config().policy_loss == 'reinforce' and pg.Config().entropy_coeff == 0.0
