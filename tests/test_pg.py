@@ -974,3 +974,18 @@ def test_lambda_flag_and_actor_critic_defaults():
     assert pg.estimator_name(config) == 'td_lambda'  # Trax's actor-critic default
     assert pg.estimator_name(pg.Config()) == 'mean_return'  # REINFORCE's baseline
     assert pg.Config().policy_loss == 'reinforce' and pg.Config().entropy_coeff == 0.0
+
+
+def test_ppo_gaussian_probe_converges_to_the_best_continuous_action():
+    """The Box path of the actor-critic: PPO (Gaussian log-probs and ratios)
+    on one-step episodes whose best action is 0.5."""
+    config = ac_config(env='PgProbe-BoxTarget', policy_loss='ppo', epochs=40, max_steps=None,
+                       n_trajectories_per_epoch=64, hidden_sizes=(16,), lr=0.02,
+                       init_log_std=-0.5, train_steps_per_epoch=4, batch_size=32,
+                       value_train_steps_per_epoch=8, value_lr=0.05, n_eval_episodes=8,
+                       adam_b1=0.9)
+    agent, state, history, _, _ = run_phases(config, epochs=config.epochs)
+    net = jax.tree.map(lambda x: x[0], state.params['net'])
+    assert float(common.mlp(net, jnp.ones(2))[0]) == pytest.approx(0.5, abs=0.1)
+    assert float(history[-1][common.eval_key(0.0, 1)][0]) > -0.01
+    assert 0 <= float(history[-1]['metrics/clip_fraction'][0]) <= 1
