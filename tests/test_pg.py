@@ -930,7 +930,7 @@ AC_CARTPOLE = dict(n_trajectories_per_epoch=None, n_envs=16, advantage_estimator
 @pytest.mark.parametrize('policy_loss, overrides', [
     # PPO: 64 minibatch steps of 128 (4 passes) on 2048 steps per epoch.
     ('ppo', dict(n_interactions_per_epoch=2048, train_steps_per_epoch=64, batch_size=128,
-                 value_batch_size=128, value_train_steps_per_epoch=64, lr=1e-3, epochs=60)),
+                 value_batch_size=128, value_train_steps_per_epoch=64, lr=1e-3, epochs=100)),
     # A2C: 2 full-batch steps on 1024 steps per epoch.
     ('a2c', dict(n_interactions_per_epoch=1024, train_steps_per_epoch=2, batch_size=0,
                  value_batch_size=128, value_train_steps_per_epoch=32, lr=1e-3, epochs=120)),
