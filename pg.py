@@ -67,85 +67,95 @@ import optax
 import common
 
 
+POLICY_LOSSES = ('reinforce', 'a2c', 'ppo')
+ESTIMATORS = ('mean_return', 'monte_carlo', 'td_k', 'td_lambda', 'gae')
+
+
 @dataclasses.dataclass(frozen=True)
 class Config:
     env: str = common.option('CartPole-v1', 'gymnax env (Discrete or Box action space)')
-    epochs: int = common.option(40, 'total epochs of collect -> train -> evaluate')
-    n_envs: int = common.option(16, 'parallel envs per run (n_interactions mode)')
+    epochs: int = common.option(40, 'total epochs of collect -> train -> evaluate', bounds='[1, inf)')
+    n_envs: int = common.option(16, 'parallel envs per run (n_interactions mode)', bounds='[1, inf)')
     n_interactions_per_epoch: Optional[int] = common.option(
         None, 'instead: env steps per epoch and run; episodes carry over epochs and an '
-        'unfinished episode\'s steps wait for the epoch in which it ends')
+        'unfinished episode\'s steps wait for the epoch in which it ends', bounds='[1, inf)')
     n_trajectories_per_epoch: Optional[int] = common.option(
-        32, 'complete fresh episodes per epoch and run (Trax CartPole test: 2)')
-    max_steps: Optional[int] = common.option(None, 'episode cap (default: the env\'s limit)')
+        32, 'complete fresh episodes per epoch and run (Trax CartPole test: 2)', bounds='[1, inf)')
+    max_steps: Optional[int] = common.option(None, 'episode cap (default: the env\'s limit)', bounds='[1, inf)')
     train_steps_per_epoch: int = common.option(
-        1, 'gradient steps per epoch on this epoch\'s data (Trax: 1)')
-    evals_per_epoch: int = common.option(1, 'trainer metric chunks per epoch (reporting only)')
+        1, 'gradient steps per epoch on this epoch\'s data (Trax: 1)', bounds='[1, inf)')
+    evals_per_epoch: int = common.option(1, 'trainer metric chunks per epoch (reporting only)', bounds='[1, inf)')
     batch_size: int = common.option(
         0, '0: every collected step is the batch; B > 0: Trax\'s B length-1 slices per '
-        'step, each from a uniform trajectory, then a uniform step in it (Trax: 64)')
-    lr: float = common.option(1e-2, 'Adam learning rate: the schedule\'s constant', sweep=True)
+        'step, each from a uniform trajectory, then a uniform step in it (Trax: 64)', bounds='[0, inf)')
+    lr: float = common.option(1e-2, 'Adam learning rate: the schedule\'s constant', sweep=True, bounds='(0, inf)')
     lr_schedule: str = common.option(
         'constant * linear_decay',
         'multifactor factors: constant, linear_warmup, rsqrt_decay, decay_every, '
         'linear_decay (to 0 at the last step); Trax: constant * linear_warmup * rsqrt_decay')
-    warmup_steps: int = common.option(400, 'linear_warmup / rsqrt_decay steps')
+    warmup_steps: int = common.option(400, 'linear_warmup / rsqrt_decay steps', bounds='[1, inf)')
     lr_decay_epochs: Optional[int] = common.option(
         None, 'linear_decay reaches 0 after this many epochs (default: --epochs); keep '
-        'it when resuming with a larger --epochs so the schedule does not change')
+        'it when resuming with a larger --epochs so the schedule does not change', bounds='[1, inf)')
     adam_b1: float = common.option(
         0.0, 'Adam first-moment decay (Trax: 0.9); 0: no momentum carried across epochs, '
-        'each of which brings a fresh on-policy gradient', sweep=True)
-    adam_b2: float = common.option(0.99, 'Adam second-moment decay (Trax: 0.999)', sweep=True)
-    gamma: float = common.option(0.995, 'discount factor in (0, 1] (Trax: 0.99)', sweep=True)
+        'each of which brings a fresh on-policy gradient', sweep=True, bounds='[0, 1)')
+    adam_b2: float = common.option(0.99, 'Adam second-moment decay (Trax: 0.999)', sweep=True, bounds='[0, 1)')
+    gamma: float = common.option(0.995, 'discount factor in (0, 1] (Trax: 0.99)', sweep=True, bounds='(0, 1]')
     normalize_advantages: bool = common.option(
         True, 'A <- (A - mean A) / (std A + 1e-5) over the batch (Trax: on)')
     entropy_coeff: float = common.option(
         0.0, 'loss -= this * mean policy entropy (Trax: 0.01 for a2c and ppo, none for '
-        'reinforce; here 0 for all three, so a flag means the same for each loss)', sweep=True)
+        'reinforce; here 0 for all three, so a flag means the same for each loss)', sweep=True,
+        bounds='[0, inf)')
     policy_loss: str = common.option(
         'reinforce', 'reinforce (Trax PolicyGradient), a2c or ppo (Trax A2C, PPO: with a '
-        'value network V(s) trained first each epoch, then the policy)')
+        'value network V(s) trained first each epoch, then the policy)', choices=POLICY_LOSSES)
     advantage_estimator: Optional[str] = common.option(
         None, 'mean_return (the batch\'s mean return as baseline, reinforce only), or with '
         'a value network monte_carlo, td_k, td_lambda, gae (default: mean_return for '
-        'reinforce, td_lambda for a2c and ppo, as Trax)')
-    lambda_: float = common.option(0.95, 'td_lambda / gae lambda (Trax: 0.95)', sweep=True)
+        'reinforce, td_lambda for a2c and ppo, as Trax)', choices=ESTIMATORS)
+    lambda_: float = common.option(0.95, 'td_lambda / gae lambda (Trax: 0.95)', sweep=True,
+                                    bounds='[0, 1]')
     added_policy_slice_length: int = common.option(
         32, 'a2c/ppo: the estimators\' margin, i.e. how many steps past a step its '
-        'advantage looks (td_k: k); Trax: 0, with which td_lambda and gae give 0')
+        'advantage looks (td_k: k); Trax: 0, with which td_lambda and gae give 0',
+        bounds='[0, inf)')
     epsilon: float = common.option(0.2, 'ppo: clip the ratio to [1 - this, 1 + this] '
-                                   '(Trax: 0.2)', sweep=True)
+                                   '(Trax: 0.2)', sweep=True, bounds='(0, inf)')
     advantage_normalization_factor: float = common.option(
         1.0, 'a2c/ppo: normalised advantages are multiplied by this (Trax: 1)', sweep=True)
     advantage_normalization_epsilon: float = common.option(
-        1e-5, 'a2c/ppo: (A - mean) / (std + this) (Trax: 1e-5)', sweep=True)
+        1e-5, 'a2c/ppo: (A - mean) / (std + this) (Trax: 1e-5)', sweep=True,
+        bounds='(0, inf)')
     max_grad_norm: float = common.option(
         0.0, 'a2c/ppo: clip policy and value gradients to this global norm; 0: off (Trax: '
-        'off)', sweep=True)
+        'off)', sweep=True, bounds='[0, inf)')
     value_lr: float = common.option(
         1e-3, 'a2c/ppo: value network Adam learning rate, the schedule\'s constant (the '
-        'same --lr-schedule factors)', sweep=True)
+        'same --lr-schedule factors)', sweep=True,
+        bounds='(0, inf)')
     value_batch_size: int = common.option(
-        64, 'a2c/ppo: value minibatch (0: every step of the epoch; Trax: 64)')
+        64, 'a2c/ppo: value minibatch (0: every step of the epoch; Trax: 64)',
+        bounds='[0, inf)')
     value_train_steps_per_epoch: int = common.option(
-        500, 'a2c/ppo: value gradient steps per epoch (Trax: 500)')
+        500, 'a2c/ppo: value gradient steps per epoch (Trax: 500)', bounds='[1, inf)')
     value_evals_per_epoch: int = common.option(
         1, 'a2c/ppo: value chunks per epoch; the target value network is synced before '
-        'the first and after each (Trax: 1)')
+        'the first and after each (Trax: 1)', bounds='[1, inf)')
     scale_value_targets: bool = common.option(
         False, 'a2c/ppo: the value network predicts V * (1 - gamma) (Trax: off)')
     hidden_sizes: tuple[int, ...] = common.option(
-        (64, 64), 'policy (and value) MLP hidden layer sizes')
+        (64, 64), 'policy (and value) MLP hidden layer sizes', bounds='[1, inf)')
     init_log_std: float = common.option(
         0.0, 'Box actions: initial log std, in units of half the Box\'s width', sweep=True)
-    n_eval_episodes: int = common.option(32, 'episodes per evaluation (0: no evaluation)')
+    n_eval_episodes: int = common.option(32, 'episodes per evaluation (0: no evaluation)', bounds='[0, inf)')
     eval_steps: Optional[tuple[int, ...]] = common.option(
-        None, 'evaluation horizons, e.g. 200,500 (default: max_steps)')
+        None, 'evaluation horizons, e.g. 200,500 (default: max_steps)', bounds='[1, inf)')
     eval_temperatures: tuple[float, ...] = common.option(
         (0.0,), 'evaluation temperatures: 0 argmax / Gaussian mean, T samples logits / T '
-        'or std * T')
-    checkpoint_every: int = common.option(1, 'epochs between checkpoints (and the last)')
+        'or std * T', bounds='[0, inf)')
+    checkpoint_every: int = common.option(1, 'epochs between checkpoints (and the last)', bounds='[1, inf)')
 
 
 class Batch(NamedTuple):
@@ -323,10 +333,6 @@ def sample_slices(key, weight, episode_length, batch_size):
 # Actor-critic pieces (Trax actor_critic.py): advantages from common.py's
 # estimators over a value network, value targets, the A2C and PPO losses.
 # ---------------------------------------------------------------------------
-
-POLICY_LOSSES = ('reinforce', 'a2c', 'ppo')
-ESTIMATORS = ('mean_return', 'monte_carlo', 'td_k', 'td_lambda', 'gae')
-
 
 def estimator_name(config):
     """The configured advantage estimator; by default Trax's for the loss:
@@ -958,93 +964,46 @@ def make_agent(config: Config) -> common.Agent:
 
     agent = common.Agent(name='pg', init=init, collect=collect,
                          train=train_ac if actor_critic else train, evaluate=evaluate,
-                         eval_tags=eval_tags, max_steps=max_steps)
+                         eval_tags=eval_tags, max_steps=max_steps,
+                         memory_flags='--num-seeds (or the grid), --n-trajectories-per-epoch '
+                         'or --n-interactions-per-epoch, --max-steps, --batch-size')
     # The actor-critic's pieces, for tests: (hp, state[, key]) -> ...
     agent.value_chunk, agent.ac_advantages, agent.value_net = value_chunk, ac_advantages, value_net
     return agent
 
 
 def check_config(config: Config):
-    """Reject contradictory or out-of-range settings with a one-line reason."""
+    """Each field's declared constraint, then the rules that tie fields together."""
+    common.check_fields(config)
     error = common.UsageError
     if (config.n_trajectories_per_epoch is None) == (config.n_interactions_per_epoch is None):
         raise error('exactly one of --n-trajectories-per-epoch or --n-interactions-per-epoch '
                     'must be set (the other to none)')
-    positive = ['epochs', 'n_envs', 'train_steps_per_epoch', 'evals_per_epoch',
-                'checkpoint_every', 'warmup_steps']
-    positive += [name for name in ('n_trajectories_per_epoch', 'n_interactions_per_epoch',
-                                   'max_steps', 'lr_decay_epochs')
-                 if getattr(config, name) is not None]
-    for name in positive:
-        if getattr(config, name) < 1:
-            raise error(f'--{name.replace("_", "-")} must be >= 1, got {getattr(config, name)}')
-    for name in ('batch_size', 'n_eval_episodes'):
-        if getattr(config, name) < 0:
-            raise error(f'--{name.replace("_", "-")} must be >= 0, got {getattr(config, name)}')
     if config.n_interactions_per_epoch and config.n_interactions_per_epoch % config.n_envs:
         raise error(f'--n-interactions-per-epoch ({config.n_interactions_per_epoch}) must be a '
                     f'multiple of --n-envs ({config.n_envs})')
     if config.train_steps_per_epoch % config.evals_per_epoch:
         raise error(f'--train-steps-per-epoch ({config.train_steps_per_epoch}) must be '
                     f'divisible by --evals-per-epoch ({config.evals_per_epoch})')
-    if any(h < 1 for h in config.hidden_sizes):
-        raise error(f'--hidden-sizes entries must be >= 1, got {list(config.hidden_sizes)}')
-    if any(h < 1 for h in config.eval_steps or ()):
-        raise error(f'--eval-steps entries must be >= 1, got {list(config.eval_steps)}')
-    if any(t < 0 for t in config.eval_temperatures):
-        raise error(f'--eval-temperatures must be >= 0, got {list(config.eval_temperatures)}')
     common.multifactor(config.lr_schedule)  # validates the factor names
-    if config.policy_loss not in POLICY_LOSSES:
-        raise error(f'--policy-loss must be one of {", ".join(POLICY_LOSSES)}, '
-                    f'got {config.policy_loss!r}')
     estimator = estimator_name(config)
-    if estimator not in ESTIMATORS:
-        raise error(f'--advantage-estimator must be one of {", ".join(ESTIMATORS)}, '
-                    f'got {estimator!r}')
     if config.policy_loss == 'reinforce' and estimator != 'mean_return':
         raise error(f'--advantage-estimator {estimator} needs a value network: use it with '
                     '--policy-loss a2c or ppo (reinforce takes mean_return)')
     if config.policy_loss != 'reinforce' and estimator == 'mean_return':
         raise error(f'--policy-loss {config.policy_loss} trains a value network: its '
                     '--advantage-estimator is one of monte_carlo, td_k, td_lambda, gae')
-    if config.added_policy_slice_length < 0:
-        raise error('--added-policy-slice-length must be >= 0, got '
-                    f'{config.added_policy_slice_length}')
     if estimator in ('td_k', 'td_lambda', 'gae') and config.added_policy_slice_length < 1:
         raise error(f'--advantage-estimator {estimator} needs --added-policy-slice-length >= 1 '
                     '(with 0 it looks no step ahead: td_k has no k, td_lambda and gae give 0)')
-    for name in ('value_train_steps_per_epoch', 'value_evals_per_epoch'):
-        if getattr(config, name) < 1:
-            raise error(f'--{name.replace("_", "-")} must be >= 1, got {getattr(config, name)}')
-    if config.value_batch_size < 0:
-        raise error(f'--value-batch-size must be >= 0, got {config.value_batch_size}')
     if config.value_train_steps_per_epoch % config.value_evals_per_epoch:
         raise error(f'--value-train-steps-per-epoch ({config.value_train_steps_per_epoch}) must '
                     f'be divisible by --value-evals-per-epoch ({config.value_evals_per_epoch})')
 
 
 def check_hyperparameters(config, runs):
-    """Range checks on every value of a (possibly swept) hyperparameter."""
+    """Cross-field rules on swept values (each value's range: common.check_fields)."""
     for run in runs:
-        if not 0 < run['gamma'] <= 1:
-            raise common.UsageError(f'--gamma must be in (0, 1], got {run["gamma"]}')
-        if run['lr'] <= 0:
-            raise common.UsageError(f'--lr must be > 0, got {run["lr"]}')
-        if run['entropy_coeff'] < 0:
-            raise common.UsageError(f'--entropy-coeff must be >= 0, got {run["entropy_coeff"]}')
-        for name in ('adam_b1', 'adam_b2'):
-            if not 0 <= run[name] < 1:
-                raise common.UsageError(f'--{name.replace("_", "-")} must be in [0, 1), '
-                                        f'got {run[name]}')
-        if not math.isfinite(run['init_log_std']):
-            raise common.UsageError(f'--init-log-std must be finite, got {run["init_log_std"]}')
-        if not 0 <= run['lambda_'] <= 1:
-            raise common.UsageError(f'--lambda must be in [0, 1], got {run["lambda_"]}')
-        for name in ('epsilon', 'value_lr', 'advantage_normalization_epsilon'):
-            if not run[name] > 0:
-                raise common.UsageError(f'--{name.replace("_", "-")} must be > 0, got {run[name]}')
-        if run['max_grad_norm'] < 0:
-            raise common.UsageError(f'--max-grad-norm must be >= 0, got {run["max_grad_norm"]}')
         if config.scale_value_targets and run['gamma'] == 1:
             raise common.UsageError('--scale-value-targets divides by 1 - gamma: it needs '
                                     '--gamma < 1')
