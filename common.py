@@ -454,7 +454,7 @@ def check_fields(config, grid=None):
                 why = _value_error(field, kind, entry)
                 if why:
                     what = 'entries ' if is_tuple else ''
-                    raise UsageError(f'--{field.name.replace("_", "-")} {what}{why}, got '
+                    raise UsageError(f'--{field.name.rstrip("_").replace("_", "-")} {what}{why}, got '
                                      f'{_show(value)}')
 
 
@@ -569,6 +569,9 @@ def build_parser(config_cls, prog, description):
     hints = typing.get_type_hints(config_cls)
     for field in dataclasses.fields(config_cls):
         flag = '--' + field.name.replace('_', '-')
+        # A name that is a Python keyword plus '_' (Trax's `lambda_`) is typed
+        # without the underscore: --lambda (the literal --lambda- works too).
+        flags = [flag.rstrip('-'), flag] if field.name.endswith('_') else [flag]
         kind, is_tuple, optional = _base_type(hints[field.name])
         help_text = field.metadata.get('help', '')
         constraint = constraint_text(field, kind)
@@ -578,11 +581,11 @@ def build_parser(config_cls, prog, description):
         if sweep:
             help_text += ' [comma list = sweep]'
         if kind is bool:
-            parser.add_argument(flag, dest=field.name, default=field.default,
+            parser.add_argument(*flags, dest=field.name, default=field.default,
                                 action=argparse.BooleanOptionalAction, help=help_text)
         else:
-            parser.add_argument(flag, dest=field.name, default=field.default,
-                                type=_flag_parser(kind, is_tuple, optional, sweep, flag),
+            parser.add_argument(*flags, dest=field.name, default=field.default,
+                                type=_flag_parser(kind, is_tuple, optional, sweep, flags[0]),
                                 metavar=kind.__name__.upper(), help=help_text)
     run = parser.add_argument_group('run')
     run.add_argument('--seed', type=_flag_parser(int, False, False, False, '--seed'),

@@ -1,4 +1,4 @@
-"""Policy gradient (REINFORCE) after Trax's `PolicyGradient` (trax/rl/training.py), in pure JAX.
+"""Policy gradients after Trax: REINFORCE (`PolicyGradient`, trax/rl/training.py), A2C and PPO (trax/rl/actor_critic.py), in pure JAX.
 
 One epoch = collect (temperature 1, gymnax envs) -> train (Monte-Carlo returns
 minus the batch's mean return, Trax's `_value_fn`; optional advantage
@@ -25,6 +25,27 @@ the discounted sum of the rewards it observed (as Trax). With
 closes is not trained on yet: its steps wait (in `State.tail`) and train in the
 epoch in which it ends, with its complete Monte-Carlo return.
 
+Actor-critic (`--policy-loss a2c` or `ppo`, Trax's
+`AdvantageBasedActorCriticAgent`): a value network V(s), separate from the
+policy, with its own Adam and learning rate (`--value-lr`), trained first in
+each epoch: `--value-train-steps-per-epoch` L2 steps on minibatches of
+`--value-batch-size` towards targets V_target(s) + A, where A is the chosen
+estimator's advantage (common.py's `monte_carlo`, `td_k`, `td_lambda`, `gae`,
+run on Trax's slices of 1 + `--added-policy-slice-length` steps) over a
+target copy of the network, synced before the first and after each of
+`--value-evals-per-epoch` chunks. Then the policy: advantages from the same
+estimator over the trained value network, normalised per minibatch
+(`factor * (A - mean) / (std + epsilon)`), and `--train-steps-per-epoch`
+steps of the A2C loss `-mean(log pi * A)` or PPO's clipped
+`-mean(min(ratio A, clip(ratio, 1 -+ epsilon) A))`, each minus
+`--entropy-coeff` times the mean entropy; `--batch-size B` makes them passes
+of minibatches of B over the epoch's steps in a fresh random order, 0 uses
+them all each step. Every step trains in the epoch it was collected: an
+episode still running at the end of the epoch's rows bootstraps from V of its
+current observation. A time-limit truncation bootstraps from V of the true
+final observation (`info["final_observation"]`), a termination from nothing;
+Trax treats both as terminal.
+
     python pg.py --seed 0                 # CartPole-v1, greedy return 500
     python pg.py --num-seeds 8            # 8 seeds in one vmapped program
     python pg.py --env Acrobot-v1 --max-steps 1000 --eval-steps 500 --lr 3e-3 --num-seeds 8
@@ -44,6 +65,10 @@ import numpy as np
 import optax
 
 import common
+
+
+POLICY_LOSSES = ('reinforce', 'a2c', 'ppo')
+ESTIMATORS = ('mean_return', 'monte_carlo', 'td_k', 'td_lambda', 'gae')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,9 +104,49 @@ class Config:
     gamma: float = common.option(0.995, 'discount factor in (0, 1] (Trax: 0.99)', sweep=True, bounds='(0, 1]')
     normalize_advantages: bool = common.option(
         True, 'A <- (A - mean A) / (std A + 1e-5) over the batch (Trax: on)')
-    entropy_coefficient: float = common.option(
-        0.0, 'loss -= this * mean policy entropy (Trax: none, i.e. 0)', sweep=True, bounds='[0, inf)')
-    hidden_sizes: tuple[int, ...] = common.option((64, 64), 'policy MLP hidden layer sizes', bounds='[1, inf)')
+    entropy_coeff: float = common.option(
+        0.0, 'loss -= this * mean policy entropy (Trax: 0.01 for a2c and ppo, none for '
+        'reinforce; here 0 for all three, so a flag means the same for each loss)', sweep=True,
+        bounds='[0, inf)')
+    policy_loss: str = common.option(
+        'reinforce', 'reinforce (Trax PolicyGradient), a2c or ppo (Trax A2C, PPO: with a '
+        'value network V(s) trained first each epoch, then the policy)', choices=POLICY_LOSSES)
+    advantage_estimator: Optional[str] = common.option(
+        None, 'mean_return (the batch\'s mean return as baseline, reinforce only), or with '
+        'a value network monte_carlo, td_k, td_lambda, gae (default: mean_return for '
+        'reinforce, td_lambda for a2c and ppo, as Trax)', choices=ESTIMATORS)
+    lambda_: float = common.option(0.95, 'td_lambda / gae lambda (Trax: 0.95)', sweep=True,
+                                    bounds='[0, 1]')
+    added_policy_slice_length: int = common.option(
+        32, 'a2c/ppo: the estimators\' margin, i.e. how many steps past a step its '
+        'advantage looks (td_k: k); Trax: 0, with which td_lambda and gae give 0',
+        bounds='[0, inf)')
+    epsilon: float = common.option(0.2, 'ppo: clip the ratio to [1 - this, 1 + this] '
+                                   '(Trax: 0.2)', sweep=True, bounds='(0, inf)')
+    advantage_normalization_factor: float = common.option(
+        1.0, 'a2c/ppo: normalised advantages are multiplied by this (Trax: 1)', sweep=True)
+    advantage_normalization_epsilon: float = common.option(
+        1e-5, 'a2c/ppo: (A - mean) / (std + this) (Trax: 1e-5)', sweep=True,
+        bounds='(0, inf)')
+    max_grad_norm: float = common.option(
+        0.0, 'a2c/ppo: clip policy and value gradients to this global norm; 0: off (Trax: '
+        'off)', sweep=True, bounds='[0, inf)')
+    value_lr: float = common.option(
+        1e-3, 'a2c/ppo: value network Adam learning rate, the schedule\'s constant (the '
+        'same --lr-schedule factors)', sweep=True,
+        bounds='(0, inf)')
+    value_batch_size: int = common.option(
+        64, 'a2c/ppo: value minibatch (0: every step of the epoch; Trax: 64)',
+        bounds='[0, inf)')
+    value_train_steps_per_epoch: int = common.option(
+        500, 'a2c/ppo: value gradient steps per epoch (Trax: 500)', bounds='[1, inf)')
+    value_evals_per_epoch: int = common.option(
+        1, 'a2c/ppo: value chunks per epoch; the target value network is synced before '
+        'the first and after each (Trax: 1)', bounds='[1, inf)')
+    scale_value_targets: bool = common.option(
+        False, 'a2c/ppo: the value network predicts V * (1 - gamma) (Trax: off)')
+    hidden_sizes: tuple[int, ...] = common.option(
+        (64, 64), 'policy (and value) MLP hidden layer sizes', bounds='[1, inf)')
     init_log_std: float = common.option(
         0.0, 'Box actions: initial log std, in units of half the Box\'s width', sweep=True)
     n_eval_episodes: int = common.option(32, 'episodes per evaluation (0: no evaluation)', bounds='[0, inf)')
@@ -112,11 +177,25 @@ class Tail(NamedTuple):
     valid: jax.Array
 
 
+class Rollout(NamedTuple):
+    """a2c/ppo: the epoch's steps as rows [n_envs, steps] (time in order), each
+    step trained in the epoch it was collected: with a value network an episode
+    still running at the end of the rows bootstraps from V(last_obs)."""
+    obs: jax.Array
+    action: jax.Array  # as sampled (a Box action unclipped), for its log-prob
+    reward: jax.Array
+    terminated: jax.Array
+    truncated: jax.Array  # time limit (and not terminated): bootstrap from V(final_obs)
+    final_obs: jax.Array  # the observation the step led to, before any auto-reset
+    valid: jax.Array  # False: padding after an episode's end (n_trajectories mode)
+    last_obs: jax.Array  # [n_envs, ...]: each env's observation after its last step
+
+
 class State(NamedTuple):
     params: dict
     opt_state: tuple
-    batch: Batch
-    tail: Optional[Tail]  # None in n_trajectories mode
+    batch: Optional[Batch]  # reinforce's training steps; None for a2c/ppo
+    tail: Optional[Tail]  # None in n_trajectories mode and for a2c/ppo
     env_state: object
     obs: jax.Array
     episode_return: jax.Array  # running undiscounted return of each env
@@ -125,6 +204,14 @@ class State(NamedTuple):
     train_step: jax.Array
     n_interactions: jax.Array
     n_trajectories: jax.Array
+    # a2c/ppo only (None, i.e. no leaves, for reinforce): the value network, its
+    # optimiser, the target copy the value targets are computed with, the
+    # epoch's rows.
+    value_params: Optional[list] = None
+    value_opt_state: Optional[tuple] = None
+    target_value_params: Optional[list] = None
+    value_train_step: Optional[jax.Array] = None
+    rollout: Optional[Rollout] = None
 
 
 # ---------------------------------------------------------------------------
@@ -271,6 +358,154 @@ def sample_slices(key, weight, episode_length, batch_size):
 
 
 # ---------------------------------------------------------------------------
+# Actor-critic pieces (Trax actor_critic.py): advantages from common.py's
+# estimators over a value network, value targets, the A2C and PPO losses.
+# ---------------------------------------------------------------------------
+
+def estimator_name(config):
+    """The configured advantage estimator; by default Trax's for the loss:
+    PolicyGradient's mean-return baseline, the actor-critics' td_lambda."""
+    if config.advantage_estimator is not None:
+        return config.advantage_estimator
+    return 'mean_return' if config.policy_loss == 'reinforce' else 'td_lambda'
+
+
+def make_estimator(name, gamma, margin, lambda_):
+    """common.py's estimator, built by its Trax factory signature."""
+    if name == 'monte_carlo':
+        return common.monte_carlo(gamma, margin)
+    if name == 'td_k':
+        return common.td_k(gamma, margin)
+    if name == 'td_lambda':
+        return common.td_lambda(gamma, margin, lambda_)
+    if name == 'gae':
+        return common.gae(gamma, margin, lambda_)
+    raise ValueError(f'no value-network estimator {name!r}')
+
+
+def bootstrapped_rewards(reward, terminated, truncated, final_values, gamma):
+    """r_t + gamma * V(final_obs_t) where step t hit the time limit without
+    terminating, r_t elsewhere.
+
+    With the truncation's bootstrap folded into its reward, every episode end
+    can be a `done` to the estimators (which then never look past it): a
+    termination's value is 0 after it, a truncated episode would have gone on.
+    Trax treats both as terminal (its `done`), so a CartPole-v1 episode cut at
+    500 steps looks like a failure to its value network; here it does not.
+    """
+    chex.assert_equal_shape([reward, terminated, truncated, final_values])
+    bootstrap = truncated & ~terminated
+    return reward + jnp.where(bootstrap, gamma * final_values, 0.0)
+
+
+def step_advantages(estimator, margin, monte_carlo, gamma, reward, done, valid, values,
+                    last_value):
+    """One env's row of T steps -> each step's advantage [T], from `estimator`
+    (built with this `margin`) run on Trax's slices.
+
+    Step t's slice is steps t..t+margin (Trax: `max_slice_length` 1 plus
+    `added_policy_slice_length` = margin; the estimator returns its first
+    step). A row holds several episodes, and the estimators assume one per
+    slice (td_k's k-step sum does not stop at a `done`), so each slice is cut:
+    past its episode's end (a `done`, the truncation bootstrap being already in
+    `reward`) rewards and values are 0; past the row's last collected step the
+    value is V(last_obs) = `last_value` with no discount (discount mask 0,
+    i.e. gamma = lambda = 1 there), so the slice bootstraps from it as a
+    shorter one would. Monte Carlo's return is the row's discounted return to
+    the episode's end, or to the row's end plus V(last_obs).
+
+    reward, values: [T] floats; done, valid: [T] bools; last_value: scalar.
+    """
+    chex.assert_rank([reward, done, valid, values, last_value], [1, 1, 1, 1, 0])
+    chex.assert_equal_shape([reward, done, valid, values])
+    length = reward.shape[0]
+    done = done & valid
+    reward = jnp.where(valid, reward, 0.0)
+
+    def pad(x, fill):  # margin + 1 positions past the row, for the last slices
+        return jnp.concatenate([x, jnp.broadcast_to(jnp.asarray(fill, x.dtype), (margin + 1,))])
+
+    returns = common.discounted_returns(  # to the episode's end, else V(last_obs)
+        jnp.concatenate([reward, last_value[None]])[None],
+        jnp.concatenate([gamma * (1.0 - done.astype(jnp.float32)), jnp.zeros(1)])[None])[0, :length]
+    index = jnp.arange(length)[:, None] + jnp.arange(margin + 1)[None, :]  # [T, margin + 1]
+    done_w = pad(done, False)[index]
+    # `open_`: no episode end before this position of the slice.
+    open_ = jnp.cumsum(done_w, axis=1) - done_w == 0
+    live = pad(valid, False)[index] & open_  # a collected step of the slice's episode
+    rewards = jnp.where(live, pad(reward, 0.0)[index], 0.0)
+    slice_values = jnp.where(open_, pad(values, last_value)[index], 0.0)
+    slice_returns = jnp.where(live, pad(returns, 0.0)[index], 0.0)
+    # Trax's monte_carlo takes `dones` to mark the step after an episode's end;
+    # the others, the episode's last step.
+    dones = ~live if monte_carlo else done_w & live
+    advantages = estimator(rewards, slice_returns, slice_values, dones, live)
+    chex.assert_shape(advantages, (length, 1))
+    return advantages[:, 0]
+
+
+def normalized_advantages(adv, weight, factor, epsilon):
+    """Trax's `_preprocess_advantages`: factor * (A - mean A) / (std A + epsilon),
+    statistics over the weighted steps of the (mini)batch."""
+    chex.assert_equal_shape([adv, weight])
+    mean = masked_mean(adv, weight)
+    std = jnp.sqrt(masked_mean((adv - mean) ** 2, weight))
+    return factor * (adv - mean) / (std + epsilon)
+
+
+def a2c_loss(log_probs, adv, weight):
+    """Trax A2C: -sum(w log pi(a|s) A) / sum(w); A is a constant (the entropy
+    bonus is subtracted by the caller)."""
+    chex.assert_rank(log_probs, 1)
+    chex.assert_equal_shape([log_probs, adv, weight])
+    return -masked_mean(log_probs * jax.lax.stop_gradient(adv), weight)
+
+
+def ppo_loss(log_probs, old_log_probs, adv, weight, epsilon):
+    """Trax PPO: ratio = pi / pi_old; -mean_w min(ratio A, clip(ratio, 1 - eps,
+    1 + eps) A). Where the clipped term is the smaller one its gradient is 0:
+    the update stops pushing a ratio already past the clip in A's direction."""
+    chex.assert_rank(log_probs, 1)
+    chex.assert_equal_shape([log_probs, old_log_probs, adv, weight])
+    adv = jax.lax.stop_gradient(adv)
+    ratio = jnp.exp(log_probs - jax.lax.stop_gradient(old_log_probs))
+    objective = jnp.minimum(ratio * adv, jnp.clip(ratio, 1.0 - epsilon, 1.0 + epsilon) * adv)
+    return -masked_mean(objective, weight)
+
+
+def value_loss(predictions, targets, weight):
+    """Trax's L2Loss: sum(w (V(s) - target)^2) / sum(w); targets are constants."""
+    chex.assert_rank(predictions, 1)
+    chex.assert_equal_shape([predictions, targets, weight])
+    return masked_mean((predictions - jax.lax.stop_gradient(targets)) ** 2, weight)
+
+
+def minibatch_indices(key, weight, batch_size, step):
+    """Step `step`'s minibatch of `batch_size` indices: passes over the weighted
+    steps, each pass a fresh random order (PPO's epochs of minibatches), so
+    every step is used once per pass.
+
+    The order of pass p is drawn from fold_in(key, p): each of its minibatch
+    steps recomputes the same order rather than storing every pass's. A pass
+    whose last minibatch runs past the steps wraps to its first ones.
+    """
+    chex.assert_rank(weight, 1)
+    valid = weight > 0
+    n_valid = jnp.maximum(jnp.sum(valid), 1)
+    per_pass = (n_valid + batch_size - 1) // batch_size
+    noise = jax.random.uniform(jax.random.fold_in(key, step // per_pass), weight.shape)
+    order = jnp.argsort(jnp.where(valid, noise, 2.0))  # the weighted steps first
+    return order[((step % per_pass) * batch_size + jnp.arange(batch_size)) % n_valid]
+
+
+def clip_by_global_norm(grads, max_norm):
+    """grads scaled to global norm <= max_norm; max_norm 0: unchanged (traced)."""
+    norm = optax.tree.norm(grads)
+    scale = jnp.where(max_norm > 0, jnp.minimum(1.0, max_norm / jnp.maximum(norm, 1e-12)), 1.0)
+    return jax.tree.map(lambda g: g * scale, grads)
+
+
+# ---------------------------------------------------------------------------
 # The agent: policy, collect, train, evaluate.
 # ---------------------------------------------------------------------------
 
@@ -309,6 +544,12 @@ def make_agent(config: Config) -> common.Agent:
     batch_n = batch_rows * batch_length
     chunk_steps = config.train_steps_per_epoch // config.evals_per_epoch
     total_train_steps = (config.lr_decay_epochs or config.epochs) * config.train_steps_per_epoch
+    actor_critic = config.policy_loss != 'reinforce'
+    estimator = estimator_name(config)
+    margin = config.added_policy_slice_length
+    value_chunk_steps = config.value_train_steps_per_epoch // config.value_evals_per_epoch
+    total_value_steps = ((config.lr_decay_epochs or config.epochs)
+                         * config.value_train_steps_per_epoch)
 
     def policy(params, obs):
         """Distribution inputs: logits, or (mean, log_std) in env units."""
@@ -352,6 +593,23 @@ def make_agent(config: Config) -> common.Agent:
         return optax.chain(optax.scale_by_adam(b1=hp['adam_b1'], b2=hp['adam_b2']),
                            optax.scale_by_schedule(lambda s: -schedule(s)))
 
+    def value_optimizer(hp):
+        # Trax gives the value trainer its own optimiser and schedule; Adam
+        # with its usual moments (the policy's b1 0 is for one step per epoch).
+        schedule = common.multifactor(config.lr_schedule, constant=hp['value_lr'],
+                                      warmup_steps=config.warmup_steps,
+                                      total_steps=total_value_steps)
+        return optax.chain(optax.scale_by_adam(),
+                           optax.scale_by_schedule(lambda s: -schedule(s)))
+
+    def value_scale(hp):
+        return 1.0 / (1.0 - hp['gamma']) if config.scale_value_targets else 1.0
+
+    def value_net(value_params, obs):
+        """The network's output, V / scale, for [..., *obs_shape] observations."""
+        x = obs.reshape(obs.shape[:obs.ndim - len(obs_shape)] + (obs_size,))
+        return common.mlp(value_params, x.astype(jnp.float32))[..., 0]
+
     def env_step(keys, env_state, action, auto_reset=True):
         step = env.step if auto_reset else functools.partial(common.step_first_episode, env)
         return jax.vmap(step, in_axes=(0, 0, 0, None))(keys, env_state, action, env_params)
@@ -368,7 +626,7 @@ def make_agent(config: Config) -> common.Agent:
             obs, env_state, episode_return, active = carry
             noise, env_keys = xs
             action, env_action = act(noise, params, obs, temperature)
-            next_obs, env_state, reward, terminated, truncated, _ = env_step(
+            next_obs, env_state, reward, terminated, truncated, info = env_step(
                 env_keys, env_state, env_action, auto_reset=not one_episode)
             reward = reward.astype(jnp.float32)
             done = terminated | truncated
@@ -377,6 +635,9 @@ def make_agent(config: Config) -> common.Agent:
             record = dict(obs=obs, action=action, reward=reward, done=done, valid=active,
                           finished=finished,
                           finished_return=jnp.where(finished, episode_return, 0.0))
+            if actor_critic:  # a value network bootstraps a truncation from V(final obs)
+                record.update(terminated=terminated, truncated=truncated,
+                              final_obs=info['final_observation'])
             episode_return = jnp.where(done, 0.0, episode_return)
             if one_episode:
                 active = active & ~done
@@ -456,10 +717,28 @@ def make_agent(config: Config) -> common.Agent:
                         reward=jnp.zeros((n_envs, max_steps)),
                         valid=jnp.zeros((n_envs, max_steps), bool))
         zero = jnp.zeros((), jnp.int32)
-        return State(params=params, opt_state=optimizer(hp).init(params), batch=batch,
-                     tail=tail, env_state=env_state, obs=obs, episode_return=jnp.zeros(n_envs),
-                     key=key, epoch=zero, train_step=zero, n_interactions=zero,
-                     n_trajectories=zero)
+        state = State(params=params, opt_state=optimizer(hp).init(params), batch=batch,
+                      tail=tail, env_state=env_state, obs=obs, episode_return=jnp.zeros(n_envs),
+                      key=key, epoch=zero, train_step=zero, n_interactions=zero,
+                      n_trajectories=zero)
+        if not actor_critic:
+            return state
+        # A separate value network (Trax's n_shared_layers 0), its last layer
+        # small as the policy's, so early targets are about the rewards' scale.
+        value_key, key = jax.random.split(key)
+        value_params = common.init_mlp(value_key, [obs_size, *config.hidden_sizes, 1],
+                                       last_scale=0.01)
+        rows = lambda shape, dtype: jnp.zeros((n_envs, steps) + shape, dtype)
+        rollout = Rollout(obs=rows(obs_shape, batch.obs.dtype),
+                          action=rows(action_shape, batch.action.dtype),
+                          reward=rows((), jnp.float32), terminated=rows((), bool),
+                          truncated=rows((), bool), final_obs=rows(obs_shape, batch.obs.dtype),
+                          valid=rows((), bool),
+                          last_obs=jnp.zeros((n_envs,) + obs_shape, batch.obs.dtype))
+        return state._replace(batch=None, tail=None, key=key, value_params=value_params,
+                              value_opt_state=value_optimizer(hp).init(value_params),
+                              target_value_params=value_params, value_train_step=zero,
+                              rollout=rollout)
 
     def collect(hp, state):
         """One epoch of temperature-1 experience into `state.batch`."""
@@ -473,7 +752,20 @@ def make_agent(config: Config) -> common.Agent:
             rollout_key, state.params, obs, env_state, episode_return, steps, 1.0, trajectories)
         rec = jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1), rec)  # [n_envs, steps, ...]
         tail = state.tail
-        if trajectories:
+        batch = None
+        if actor_critic:
+            # Every step trains now: an episode still running at the end of its
+            # row bootstraps from V(obs), so none waits for a later epoch. An
+            # episode cut by the row's end in n_trajectories mode (only if the
+            # env's own limit is longer) is truncated there.
+            truncated = rec['truncated']
+            if trajectories:
+                truncated = truncated.at[:, -1].set(rec['valid'][:, -1] & ~rec['done'][:, -1])
+            rollout_rows = Rollout(obs=rec['obs'], action=rec['action'], reward=rec['reward'],
+                                   terminated=rec['terminated'] & rec['valid'],
+                                   truncated=truncated & rec['valid'], final_obs=rec['final_obs'],
+                                   valid=rec['valid'], last_obs=obs)
+        elif trajectories:
             # An episode still running at the cap (only if the env's own limit is
             # longer) ends there, truncated.
             done = rec['done'].at[:, -1].set(True)
@@ -489,13 +781,14 @@ def make_agent(config: Config) -> common.Agent:
             train_on, waiting = cut_at_last_done(done, data['valid'])
             tail = Tail(**{name: value[:, -max_steps:] for name, value in data.items()
                            if name != 'valid'}, valid=waiting[:, -max_steps:])
-        returns = episode_returns(data['reward'], done, data['valid'], hp['gamma'])
-        weight = train_on.astype(jnp.float32)
-        batch = Batch(obs=data['obs'].reshape((batch_n,) + obs_shape),
-                      action=data['action'].reshape((batch_n,) + action_shape),
-                      returns=returns.reshape(batch_n), weight=weight.reshape(batch_n),
-                      episode_length=segment_lengths(done, weight).reshape(batch_n)
-                      if config.batch_size else state.batch.episode_length)
+        if not actor_critic:
+            returns = episode_returns(data['reward'], done, data['valid'], hp['gamma'])
+            weight = train_on.astype(jnp.float32)
+            batch = Batch(obs=data['obs'].reshape((batch_n,) + obs_shape),
+                          action=data['action'].reshape((batch_n,) + action_shape),
+                          returns=returns.reshape(batch_n), weight=weight.reshape(batch_n),
+                          episode_length=segment_lengths(done, weight).reshape(batch_n)
+                          if config.batch_size else state.batch.episode_length)
 
         n_finished = rec['finished'].sum()
         new_interactions = rec['valid'].sum()
@@ -516,6 +809,8 @@ def make_agent(config: Config) -> common.Agent:
                                episode_return=episode_return, key=key,
                                n_interactions=state.n_interactions + new_interactions,
                                n_trajectories=state.n_trajectories + n_finished)
+        if actor_critic:
+            state = state._replace(rollout=rollout_rows)
         return state, metrics
 
     def loss_fn(params, batch, hp):
@@ -523,7 +818,7 @@ def make_agent(config: Config) -> common.Agent:
         adv, baseline = advantages(batch.returns, batch.weight, config.normalize_advantages)
         policy_loss = reinforce_loss(log_probs, adv, batch.weight)
         mean_entropy = masked_mean(entropy, batch.weight)
-        loss = policy_loss - hp['entropy_coefficient'] * mean_entropy
+        loss = policy_loss - hp['entropy_coeff'] * mean_entropy
         raw = batch.returns - baseline
         return loss, {'metrics/policy_loss': policy_loss, 'metrics/entropy': mean_entropy,
                       'metrics/advantage_mean': masked_mean(raw, batch.weight),
@@ -576,10 +871,133 @@ def make_agent(config: Config) -> common.Agent:
                 rec['reward'] * rec['valid'], axis=0).mean()
         return state._replace(key=key), metrics
 
-    return common.Agent(name='pg', init=init, collect=collect, train=train, evaluate=evaluate,
-                        eval_tags=eval_tags, max_steps=max_steps,
-                        memory_flags='--num-seeds (or the grid), --n-trajectories-per-epoch '
-                        'or --n-interactions-per-epoch, --max-steps, --batch-size')
+    # -- a2c / ppo: Trax's AdvantageBasedActorCriticAgent.train_epoch --------
+
+    def flat(x):  # [n_envs, steps, ...] rows -> [n_envs * steps, ...] steps
+        return x.reshape((-1,) + x.shape[2:])
+
+    def ac_advantages(hp, value_params, rollout):
+        """(advantages, values), each [n_envs, steps]: the estimator over the
+        value network `value_params`, one env's row at a time."""
+        scale = value_scale(hp)
+        values = scale * value_net(value_params, rollout.obs)
+        final_values = scale * value_net(value_params, rollout.final_obs)
+        last_values = scale * value_net(value_params, rollout.last_obs)
+        reward = bootstrapped_rewards(rollout.reward, rollout.terminated, rollout.truncated,
+                                      final_values, hp['gamma'])
+        done = rollout.terminated | rollout.truncated
+        row_advantages = functools.partial(
+            step_advantages, make_estimator(estimator, hp['gamma'], margin, hp['lambda_']),
+            margin, estimator == 'monte_carlo', hp['gamma'])
+        adv = jax.vmap(row_advantages)(reward, done, rollout.valid, values, last_values)
+        return adv, values
+
+    def value_chunk(hp, state, key):
+        """One value trainer chunk: targets V_target(s) + A from the target
+        network (fixed through the chunk), value_chunk_steps steps of L2 on
+        target / scale, then the target network is synced to the trained one."""
+        adv, values = ac_advantages(hp, state.target_value_params, state.rollout)
+        weight = flat(state.rollout.valid).astype(jnp.float32)
+        obs, targets = flat(state.rollout.obs), flat(values + adv) / value_scale(hp)
+
+        def step(carry, i):
+            value_params, opt_state, n = carry
+            batch_obs, batch_targets, batch_weight = obs, targets, weight
+            if config.value_batch_size:
+                index = minibatch_indices(key, weight, config.value_batch_size, i)
+                batch_obs, batch_targets, batch_weight = obs[index], targets[index], weight[index]
+            loss, grads = jax.value_and_grad(
+                lambda p: value_loss(value_net(p, batch_obs), batch_targets, batch_weight))(
+                    value_params)
+            grads = clip_by_global_norm(grads, hp['max_grad_norm'])
+            updates, opt_state = value_optimizer(hp).update(grads, opt_state, value_params)
+            return (optax.apply_updates(value_params, updates), opt_state, n + 1), loss
+
+        (value_params, opt_state, n), losses = jax.lax.scan(
+            step, (state.value_params, state.value_opt_state, state.value_train_step),
+            jnp.arange(value_chunk_steps))
+        metrics = {'metrics/value_loss': losses.mean(),
+                   'metrics/value_mean': masked_mean(flat(values), weight),
+                   'metrics/returns_mean': masked_mean(targets * value_scale(hp), weight)}
+        return state._replace(value_params=value_params, value_opt_state=opt_state,
+                              value_train_step=n, target_value_params=value_params), metrics
+
+    def ac_policy_loss(params, batch, hp):
+        obs, action, adv, old_log_probs, weight = batch
+        log_probs, entropy = log_prob_and_entropy(params, obs, action)
+        if config.normalize_advantages:  # per minibatch, as Trax's policy loss layer
+            adv = normalized_advantages(adv, weight, hp['advantage_normalization_factor'],
+                                        hp['advantage_normalization_epsilon'])
+        metrics = {}
+        if config.policy_loss == 'ppo':
+            policy_loss = ppo_loss(log_probs, old_log_probs, adv, weight, hp['epsilon'])
+            ratio = jnp.exp(log_probs - old_log_probs)
+            metrics['metrics/clip_fraction'] = masked_mean(
+                (jnp.abs(ratio - 1.0) > hp['epsilon']).astype(jnp.float32), weight)
+            metrics['metrics/approx_kl'] = masked_mean(old_log_probs - log_probs, weight)
+        else:
+            policy_loss = a2c_loss(log_probs, adv, weight)
+        mean_entropy = masked_mean(entropy, weight)
+        metrics.update({'metrics/policy_loss': policy_loss, 'metrics/entropy': mean_entropy})
+        return policy_loss - hp['entropy_coeff'] * mean_entropy, metrics
+
+    def ac_policy_chunks(hp, state, key):
+        """train_steps_per_epoch policy steps (evals_per_epoch chunks) on the
+        epoch's steps, advantages from the value network just trained."""
+        adv, _ = ac_advantages(hp, state.value_params, state.rollout)
+        weight = flat(state.rollout.valid).astype(jnp.float32)
+        obs, action, adv = flat(state.rollout.obs), flat(state.rollout.action), flat(adv)
+        # The collecting policy's log-probs (Trax keeps its dist_inputs in the
+        # trajectory): the policy has not changed since it collected.
+        old_log_probs = jax.lax.stop_gradient(log_prob_and_entropy(state.params, obs, action)[0])
+        data = (obs, action, adv, old_log_probs, weight)
+        raw = {'metrics/advantage_mean': masked_mean(adv, weight),
+               'metrics/advantage_std': jnp.sqrt(masked_mean(
+                   (adv - masked_mean(adv, weight)) ** 2, weight))}
+
+        def step(state, i):
+            batch = data
+            if config.batch_size:
+                index = minibatch_indices(key, weight, config.batch_size, i)
+                batch = jax.tree.map(lambda x: x[index], data)
+            grads, metrics = jax.grad(ac_policy_loss, has_aux=True)(state.params, batch, hp)
+            grads = clip_by_global_norm(grads, hp['max_grad_norm'])
+            updates, opt_state = optimizer(hp).update(grads, state.opt_state, state.params)
+            return state._replace(params=optax.apply_updates(state.params, updates),
+                                  opt_state=opt_state, train_step=state.train_step + 1), metrics
+
+        def chunk(state, steps):
+            state, metrics = jax.lax.scan(step, state, steps)
+            return state, jax.tree.map(jnp.mean, metrics)
+
+        steps = jnp.arange(config.train_steps_per_epoch).reshape(config.evals_per_epoch,
+                                                                  chunk_steps)
+        state, metrics = jax.lax.scan(chunk, state, steps)
+        return state, {**jax.tree.map(lambda m: m[-1], metrics), **raw}
+
+    def train_ac(hp, state):
+        """Value training first, then the policy (Trax's order)."""
+        key, value_key, policy_key = jax.random.split(state.key, 3)
+        # Trax syncs the target network before value training, too.
+        state = state._replace(key=key, target_value_params=state.value_params)
+        state, value_metrics = jax.lax.scan(
+            lambda s, k: value_chunk(hp, s, k), state,
+            jax.random.split(value_key, config.value_evals_per_epoch))
+        state, metrics = ac_policy_chunks(hp, state, policy_key)
+        state = state._replace(epoch=state.epoch + 1)
+        metrics.update(jax.tree.map(lambda m: m[-1], value_metrics))  # the last chunk's
+        if kind == 'box':
+            metrics['metrics/log_std'] = jnp.mean(state.params['log_std'])
+        return state, metrics
+
+    agent = common.Agent(name='pg', init=init, collect=collect,
+                         train=train_ac if actor_critic else train, evaluate=evaluate,
+                         eval_tags=eval_tags, max_steps=max_steps,
+                         memory_flags='--num-seeds (or the grid), --n-trajectories-per-epoch '
+                         'or --n-interactions-per-epoch, --max-steps, --batch-size')
+    # The actor-critic's pieces, for tests: (hp, state[, key]) -> ...
+    agent.value_chunk, agent.ac_advantages, agent.value_net = value_chunk, ac_advantages, value_net
+    return agent
 
 
 def check_config(config: Config):
@@ -596,10 +1014,27 @@ def check_config(config: Config):
         raise error(f'--train-steps-per-epoch ({config.train_steps_per_epoch}) must be '
                     f'divisible by --evals-per-epoch ({config.evals_per_epoch})')
     common.multifactor(config.lr_schedule)  # validates the factor names
+    estimator = estimator_name(config)
+    if config.policy_loss == 'reinforce' and estimator != 'mean_return':
+        raise error(f'--advantage-estimator {estimator} needs a value network: use it with '
+                    '--policy-loss a2c or ppo (reinforce takes mean_return)')
+    if config.policy_loss != 'reinforce' and estimator == 'mean_return':
+        raise error(f'--policy-loss {config.policy_loss} trains a value network: its '
+                    '--advantage-estimator is one of monte_carlo, td_k, td_lambda, gae')
+    if estimator in ('td_k', 'td_lambda', 'gae') and config.added_policy_slice_length < 1:
+        raise error(f'--advantage-estimator {estimator} needs --added-policy-slice-length >= 1 '
+                    '(with 0 it looks no step ahead: td_k has no k, td_lambda and gae give 0)')
+    if config.value_train_steps_per_epoch % config.value_evals_per_epoch:
+        raise error(f'--value-train-steps-per-epoch ({config.value_train_steps_per_epoch}) must '
+                    f'be divisible by --value-evals-per-epoch ({config.value_evals_per_epoch})')
 
 
 def check_hyperparameters(config, runs):
     """Cross-field rules on swept values (each value's range: common.check_fields)."""
+    for run in runs:
+        if config.scale_value_targets and run['gamma'] == 1:
+            raise common.UsageError('--scale-value-targets divides by 1 - gamma: it needs '
+                                    '--gamma < 1')
 
 
 def main(argv=None):

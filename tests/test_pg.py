@@ -12,6 +12,7 @@ import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from absl.testing import parameterized
 from flax import struct
@@ -139,8 +140,39 @@ class BoxEcho(BoxTarget):
         return jnp.sum(action)
 
 
+class CountdownOneHot(Countdown):
+    """Countdown observing its time step one-hot, so that a linear value
+    network can represent V exactly."""
+
+    def get_obs(self, state, params=None, key=None):
+        return jax.nn.one_hot(state.time, 6)
+
+    def observation_space(self, params):
+        return spaces.Box(0.0, 1.0, (6,), jnp.float32)
+
+
+class Endless(OneStep):
+    """Reward 1 every step, a constant observation, never terminates: only the
+    time limit (5) ends an episode. Its discounted value is 1 / (1 - gamma)."""
+
+    @property
+    def default_params(self):
+        return ProbeParams(max_steps_in_episode=5)
+
+    def step_env(self, key, state, action, params):
+        state = state.replace(time=state.time + 1)
+        return self.get_obs(state), state, jnp.float32(1.0), jnp.array(False), {}
+
+    def is_terminated(self, state, params):
+        return jnp.array(False)
+
+    def action_space(self, params=None):
+        return spaces.Discrete(2)
+
+
 PROBES = {'PgProbe-OneStep': OneStep, 'PgProbe-Match': Match, 'PgProbe-Countdown': Countdown,
-          'PgProbe-BoxTarget': BoxTarget, 'PgProbe-BoxEcho': BoxEcho}
+          'PgProbe-BoxTarget': BoxTarget, 'PgProbe-BoxEcho': BoxEcho, 'PgProbe-Endless': Endless,
+          'PgProbe-CountdownOneHot': CountdownOneHot}
 for _name, _factory in PROBES.items():
     if _name not in gymnax.registered_envs:
         gymnax.registration.register(_name, _factory)
@@ -668,3 +700,393 @@ def test_one_epoch_on_every_gymnax_env(env_name):
     assert np.isfinite(float(metrics[common.eval_key(0.0, 8)][0]))
     assert all(np.all(np.isfinite(leaf)) for leaf in jax.tree.leaves(state.params))
     assert int(state.train_step[0]) == 1
+
+
+# ---------------------------------------------------------------------------
+# Actor-critic (a2c, ppo): value targets, losses, value probes, learning.
+# ---------------------------------------------------------------------------
+
+GAMMA = 0.9
+
+
+def ref_n_step(t, n, reward, terminated, truncated, final_value, values, last_value, gamma):
+    """Plain-loop reference: the n-step return of step t in a row that may hold
+    several episodes. The sum stops at the episode's end (a termination adds
+    nothing more, a truncation adds gamma * V(final obs)) and at the row's end
+    (then gamma^e V(last obs)); otherwise it bootstraps from V(s_{t+n})."""
+    total, discount = 0.0, 1.0
+    for j in range(n):
+        i = t + j
+        if i == len(reward):  # past the collected steps: bootstrap from the last obs
+            return total + discount * last_value
+        total += discount * reward[i]
+        if terminated[i]:
+            return total
+        if truncated[i]:
+            return total + discount * gamma * final_value[i]
+        discount *= gamma
+    i = t + n
+    return total + discount * (last_value if i == len(reward) else values[i])
+
+
+def ref_targets(name, margin, lam, row, gamma=GAMMA):
+    """Each step's value target by the definitions, not by the estimators'
+    recursions: Monte Carlo = the return to the episode's (or row's) end;
+    td_k = the k-step return; td_lambda and gae on Trax's slices of margin
+    steps = the lambda-weighted n-step returns, n = 1..margin."""
+    reward, terminated, truncated, final_value, values, last_value = row
+    steps = len(reward)
+    n_step = lambda t, n: ref_n_step(t, n, reward, terminated, truncated, final_value, values,
+                                     last_value, gamma)
+    if name == 'monte_carlo':
+        return np.array([n_step(t, steps + 1) for t in range(steps)])
+    if name == 'td_k':
+        return np.array([n_step(t, margin) for t in range(steps)])
+    weights = [(1 - lam) * lam ** (n - 1) for n in range(1, margin)] + [lam ** (margin - 1)]
+    return np.array([sum(w * n_step(t, n) for n, w in zip(range(1, margin + 1), weights))
+                     for t in range(steps)])
+
+
+# One env's row of 9 steps: an episode terminated at step 2, one truncated by
+# the time limit at step 5 (V(final obs) = 4), then one running past the row's
+# end (V(last obs) = 2.5).
+ROW = (np.array([1.0, -2.0, 3.0, 0.5, 1.5, 2.0, -1.0, 0.25, 4.0], np.float32),
+       np.array([0, 0, 1, 0, 0, 0, 0, 0, 0], bool),
+       np.array([0, 0, 0, 0, 0, 1, 0, 0, 0], bool),
+       np.array([9, 9, 9, 9, 9, 4.0, 9, 9, 9], np.float32),
+       np.array([0.3, 1.1, -0.7, 2.0, 0.4, 1.6, -0.2, 0.9, 1.3], np.float32),
+       np.float32(2.5))
+
+
+def row_advantages(name, margin, lam, row, gamma=GAMMA):
+    reward, terminated, truncated, final_value, values, last_value = map(jnp.asarray, row)
+    reward = pg.bootstrapped_rewards(reward, terminated, truncated, final_value, gamma)
+    estimator = pg.make_estimator(name, gamma, margin, lam)
+    return pg.step_advantages(estimator, margin, name == 'monte_carlo', gamma, reward,
+                              terminated | truncated, jnp.ones(len(row[0]), bool), values,
+                              last_value)
+
+
+@pytest.mark.parametrize('name, margin', [('monte_carlo', 0), ('monte_carlo', 3), ('td_k', 1),
+                                          ('td_k', 3), ('td_lambda', 1), ('td_lambda', 4),
+                                          ('gae', 4), ('gae', 12)])
+def test_value_targets_are_values_plus_each_estimators_advantage(name, margin):
+    """V(s) + A for every common.py estimator on Trax's slices equals the
+    definition's return: episode ends cut it, a truncation bootstraps from
+    V(final obs), the row's end from V(last obs), a termination from nothing."""
+    adv = row_advantages(name, margin, 0.8, ROW)
+    np.testing.assert_allclose(np.asarray(adv) + ROW[4], ref_targets(name, margin, 0.8, ROW),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_truncation_bootstraps_and_termination_does_not():
+    """The same row, read with the truncation as a termination (Trax): its
+    episode's targets lose gamma^j * gamma * V(final obs), and nothing else
+    changes."""
+    as_terminal = (ROW[0], ROW[1] | ROW[2], np.zeros(9, bool), *ROW[3:])
+    for name, margin in (('td_lambda', 4), ('monte_carlo', 0), ('td_k', 3)):
+        diff = np.asarray(row_advantages(name, margin, 0.8, ROW)
+                          - row_advantages(name, margin, 0.8, as_terminal))
+        np.testing.assert_allclose(diff[:3], 0, atol=1e-6)  # the terminated episode
+        np.testing.assert_allclose(diff[6:], 0, atol=1e-6)  # the episode after
+        assert diff[5] == pytest.approx(GAMMA * 4.0, rel=1e-5)  # its last step: r + gamma V
+        assert np.all(diff[3:6] > 0)
+    # gae equals td_lambda on the same slices (Trax's table: td_lambda = gae).
+    np.testing.assert_allclose(row_advantages('gae', 5, 0.7, ROW),
+                               row_advantages('td_lambda', 5, 0.7, ROW), rtol=1e-5, atol=1e-5)
+
+
+def ac_config(**overrides):
+    values = dict(env='PgProbe-Countdown', epochs=1, n_trajectories_per_epoch=2, max_steps=6,
+                  hidden_sizes=(), policy_loss='a2c', advantage_estimator='td_lambda',
+                  added_policy_slice_length=3, lr_schedule='constant', gamma=GAMMA,
+                  value_batch_size=0, value_train_steps_per_epoch=2, value_lr=0.1,
+                  n_eval_episodes=0)
+    values.update(overrides)
+    return pg.Config(**values)
+
+
+def single_hp(config):
+    return {name: jnp.asarray(value, jnp.float32)
+            for name, value in common.expand_runs(config, {}, 0, 1)[0].items() if name != 'seed'}
+
+
+def hand_rollout():
+    """Two rows of 6 steps of Countdown-shaped observations [x, 1]: row 0 is
+    ROW's first 6 steps (terminated at 2, truncated at 5), row 1 one episode
+    running past the end of the row."""
+    obs = jnp.stack([jnp.linspace(0, 1, 6), jnp.ones(6)], -1)
+    obs = jnp.stack([obs, obs[::-1] * jnp.asarray([0.5, 1.0])])
+    final = obs + jnp.asarray([0.3, 0.0])
+    return pg.Rollout(obs=obs, action=jnp.zeros((2, 6), jnp.int32),
+                      reward=jnp.stack([jnp.asarray(ROW[0][:6]), jnp.arange(6.0)]),
+                      terminated=jnp.asarray([ROW[1][:6], np.zeros(6, bool)]),
+                      truncated=jnp.asarray([ROW[2][:6], np.zeros(6, bool)]),
+                      final_obs=final, valid=jnp.ones((2, 6), bool),
+                      last_obs=jnp.asarray([[0.2, 1.0], [0.9, 1.0]]))
+
+
+def linear_value(params, obs):
+    return np.asarray(obs) @ np.asarray(params[0]['w'])[:, 0] + float(params[0]['b'][0])
+
+
+def test_value_chunk_regresses_on_target_network_targets_and_syncs_after():
+    """One value chunk of 2 full-batch Adam steps: the targets are
+    V_target + A from the target network, computed once and held while the
+    online network moves (they differ between syncs); right after the chunk
+    the target network is the trained one."""
+    config = ac_config()
+    agent = pg.make_agent(config)
+    hp = single_hp(config)
+    state = agent.init(jax.random.PRNGKey(0), hp)
+    online = [{'w': jnp.asarray([[1.5], [0.5]]), 'b': jnp.asarray([0.2])}]
+    target = [{'w': jnp.asarray([[-1.0], [2.0]]), 'b': jnp.asarray([0.1])}]
+    rollout = hand_rollout()
+    # (The fresh optimiser state of init fits these parameters' shapes.)
+    state = state._replace(rollout=rollout, value_params=online, target_value_params=target)
+    new_state, _ = agent.value_chunk(hp, state, jax.random.PRNGKey(1))
+
+    # The targets by the definitions, with the target network's values.
+    targets = []
+    for row in range(2):
+        v = linear_value(target, rollout.obs[row])
+        row_data = (np.asarray(rollout.reward[row]), np.asarray(rollout.terminated[row]),
+                    np.asarray(rollout.truncated[row]),
+                    linear_value(target, rollout.final_obs[row]), v,
+                    linear_value(target, rollout.last_obs[row][None])[0])
+        targets.append(ref_targets('td_lambda', 3, 0.95, row_data))
+    targets = jnp.asarray(np.concatenate(targets), jnp.float32)
+    obs = rollout.obs.reshape(12, 2)
+
+    def l2(params):
+        return jnp.mean((obs @ params[0]['w'][:, 0] + params[0]['b'][0] - targets) ** 2)
+
+    optimizer = optax.adam(0.1)
+    params, opt_state = online, optimizer.init(online)
+    for _ in range(2):
+        updates, opt_state = optimizer.update(jax.grad(l2)(params), opt_state)
+        params = optax.apply_updates(params, updates)
+    for got, want in zip(jax.tree.leaves(new_state.value_params), jax.tree.leaves(params)):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    # Right after the chunk: synced.
+    for got, want in zip(jax.tree.leaves(new_state.target_value_params),
+                         jax.tree.leaves(new_state.value_params)):
+        np.testing.assert_array_equal(got, want)
+    assert int(new_state.value_train_step) == 2
+    # Between syncs the target network is not the online one: targets from the
+    # online network (or refreshed after the first step) give other parameters.
+    state_online = state._replace(target_value_params=online)
+    other, _ = agent.value_chunk(hp, state_online, jax.random.PRNGKey(1))
+    assert not np.allclose(other.value_params[0]['w'], new_state.value_params[0]['w'])
+
+
+def test_train_syncs_the_target_before_value_training_and_after_each_chunk():
+    config = ac_config(value_evals_per_epoch=2, value_train_steps_per_epoch=4)
+    agent = pg.make_agent(config)
+    hp = single_hp(config)
+    state = agent.init(jax.random.PRNGKey(0), hp)
+    stale = jax.tree.map(lambda x: x + 1.0, state.value_params)
+    state = state._replace(rollout=hand_rollout(), target_value_params=stale)
+    new_state, metrics = agent.train(hp, state)
+    for got, want in zip(jax.tree.leaves(new_state.target_value_params),
+                         jax.tree.leaves(new_state.value_params)):
+        np.testing.assert_array_equal(got, want)
+    # Chunk by chunk, by hand: sync, chunk, sync, chunk (the stale target is never used).
+    manual = state._replace(target_value_params=state.value_params)
+    for chunk_key in jax.random.split(jax.random.split(state.key, 3)[1], 2):
+        manual, _ = agent.value_chunk(hp, manual, chunk_key)
+    for got, want in zip(jax.tree.leaves(new_state.value_params),
+                         jax.tree.leaves(manual.value_params)):
+        np.testing.assert_allclose(got, want, rtol=1e-6)
+    assert int(new_state.value_train_step) == 4 and int(new_state.train_step) == 1
+
+
+def linear_softmax_case(seed=0, n=8, d=3, k=3):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, d)).astype(np.float32)
+    actions = rng.integers(0, k, size=n)
+    weight = np.array([1, 1, 0, 1, 1, 1, 0, 1], np.float32)[:n]
+    params = [{'w': jnp.asarray(rng.normal(size=(d, k)) * 0.5, jnp.float32),
+               'b': jnp.asarray(rng.normal(size=k) * 0.5, jnp.float32)}]
+    return x, actions, weight, params
+
+
+def softmax_np(logits):
+    p = np.exp(logits - logits.max(1, keepdims=True))
+    return p / p.sum(1, keepdims=True)
+
+
+def test_a2c_loss_value_and_gradient_by_hand():
+    x, actions, weight, params = linear_softmax_case()
+    adv = np.array([1.5, -0.5, 3.0, 0.2, -2.0, 0.7, 9.0, -1.0], np.float32)
+
+    def loss(params):
+        log_probs = pg.categorical_log_prob(common.mlp(params, x), jnp.asarray(actions))
+        return pg.a2c_loss(log_probs, jnp.asarray(adv), jnp.asarray(weight))
+
+    probs = softmax_np(x @ np.asarray(params[0]['w']) + np.asarray(params[0]['b']))
+    log_p = np.log(probs[np.arange(8), actions])
+    assert float(loss(params)) == pytest.approx(-(weight * log_p * adv).sum() / weight.sum(),
+                                                rel=1e-5)
+    grads = jax.grad(loss)(params)[0]
+    dlogits = -(weight * adv / weight.sum())[:, None] * (np.eye(3)[actions] - probs)
+    np.testing.assert_allclose(grads['w'], x.T @ dlogits, rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(grads['b'], dlogits.sum(0), rtol=1e-4, atol=1e-6)
+
+
+def test_ppo_loss_value_and_gradient_by_hand_and_clipping_zeroes_it():
+    """ratio = pi / pi_old. Per step the objective is min(ratio A, clip(ratio) A);
+    its gradient is ratio A d log pi where the unclipped term is the minimum and
+    0 where the clipped one is: ratio > 1 + eps with A > 0, ratio < 1 - eps
+    with A < 0."""
+    x, actions, weight, params = linear_softmax_case(seed=1)
+    eps = 0.2
+    probs = softmax_np(x @ np.asarray(params[0]['w']) + np.asarray(params[0]['b']))
+    p_taken = probs[np.arange(8), actions]
+    # Old probabilities chosen to put each step's ratio where we want it.
+    ratio = np.array([1.5, 1.5, 0.5, 0.5, 1.1, 0.9, 1.5, 1.0], np.float32)
+    adv = np.array([1.0, -1.0, 1.0, -1.0, 2.0, -2.0, 0.0, 0.5], np.float32)
+    old_log_probs = np.log(p_taken / ratio)
+
+    def loss(params):
+        log_probs = pg.categorical_log_prob(common.mlp(params, x), jnp.asarray(actions))
+        return pg.ppo_loss(log_probs, jnp.asarray(old_log_probs), jnp.asarray(adv),
+                           jnp.asarray(weight), eps)
+
+    objective = np.minimum(ratio * adv, np.clip(ratio, 1 - eps, 1 + eps) * adv)
+    assert float(loss(params)) == pytest.approx(-(weight * objective).sum() / weight.sum(),
+                                                rel=1e-4)
+    # Steps 0 (ratio 1.5, A > 0) and 3 (ratio 0.5, A < 0): clipped, no gradient;
+    # 1 and 2 (the other side): the unclipped term, full gradient.
+    active = np.array([0, 1, 1, 0, 1, 1, 1, 1], np.float32)
+    dlogits = (-(weight * active * adv * ratio / weight.sum())[:, None]
+               * (np.eye(3)[actions] - probs))
+    grads = jax.grad(loss)(params)[0]
+    np.testing.assert_allclose(grads['w'], x.T @ dlogits, rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(grads['b'], dlogits.sum(0), rtol=1e-4, atol=1e-6)
+    # Per step: the gradient with respect to its own log-prob.
+    per_step = jax.grad(lambda lp: pg.ppo_loss(lp, jnp.asarray(old_log_probs), jnp.asarray(adv),
+                                               jnp.ones(8), eps))(jnp.asarray(np.log(p_taken)))
+    np.testing.assert_allclose(per_step, -active * adv * ratio / 8, rtol=1e-5, atol=1e-7)
+    assert float(per_step[0]) == 0.0 and float(per_step[3]) == 0.0
+    assert float(per_step[1]) != 0.0 and float(per_step[2]) != 0.0
+
+
+def test_normalized_advantages_use_the_factor_epsilon_and_weights():
+    adv = jnp.asarray([1.0, 3.0, 100.0, 5.0])
+    weight = jnp.asarray([1.0, 1.0, 0.0, 1.0])
+    got = np.asarray(pg.normalized_advantages(adv, weight, 2.0, 0.5))
+    raw = np.array([1.0, 3.0, 5.0])
+    np.testing.assert_allclose(got[[0, 1, 3]], 2.0 * (raw - 3.0) / (raw.std() + 0.5), rtol=1e-6)
+
+
+def test_minibatches_visit_every_valid_step_once_per_pass():
+    weight = jnp.asarray([1, 0, 1, 1, 0, 1, 1, 1, 1, 1], jnp.float32)  # 8 valid
+    key = jax.random.PRNGKey(3)
+    batches = [np.asarray(pg.minibatch_indices(key, weight, 4, step)) for step in range(6)]
+    for pass_batches in (batches[0:2], batches[2:4], batches[4:6]):
+        assert sorted(np.concatenate(pass_batches)) == [0, 2, 3, 5, 6, 7, 8, 9]
+    assert not np.array_equal(np.concatenate(batches[0:2]), np.concatenate(batches[2:4]))
+
+
+def trained_value(config, obs, epochs):
+    agent, state, history, _, _ = run_phases(config, epochs=epochs)
+    value_params = jax.tree.map(lambda x: x[0], state.value_params)
+    return np.asarray(agent.value_net(value_params, jnp.asarray(obs))), history
+
+
+@pytest.mark.parametrize('estimator', ['td_lambda', 'monte_carlo'])
+def test_learned_value_matches_the_known_discounted_value(estimator):
+    """Countdown: 5 steps paying 1..5, then termination; V(s_t) = sum_j
+    gamma^j (t + 1 + j), the same whatever the policy (one-hot time steps and
+    a linear value network, which can represent it exactly)."""
+    config = ac_config(env='PgProbe-CountdownOneHot', epochs=20, n_trajectories_per_epoch=8,
+                       max_steps=None, advantage_estimator=estimator,
+                       value_train_steps_per_epoch=40, value_evals_per_epoch=4, value_lr=0.05)
+    expected = [sum(GAMMA ** j * (t + 1 + j) for j in range(5 - t)) for t in range(5)]
+    obs = np.eye(6)[:5]
+    values, history = trained_value(config, obs, config.epochs)
+    np.testing.assert_allclose(values, expected, rtol=0.03)
+
+
+def test_value_bootstraps_through_truncation():
+    """Endless is only ever truncated (at 5 steps): with the bootstrap from
+    V(final obs) its value is 1 / (1 - gamma) = 10; read as terminal (Trax)
+    it would be the mean truncated return, about 2.6."""
+    config = ac_config(env='PgProbe-Endless', epochs=25, n_trajectories_per_epoch=4,
+                       max_steps=None, hidden_sizes=(8,), value_train_steps_per_epoch=40,
+                       value_evals_per_epoch=4, value_lr=0.05)
+    values, _ = trained_value(config, np.ones((1, 2)), config.epochs)
+    assert float(values[0]) == pytest.approx(1 / (1 - GAMMA), rel=0.05)
+
+
+# Small CartPole-v1 configs: 16 envs whose episodes run on across epochs,
+# Adam with momentum, gradients clipped at 0.5, Trax's entropy bonus 0.01,
+# GAE over slices of 32 steps.
+AC_CARTPOLE = dict(n_trajectories_per_epoch=None, n_envs=16, advantage_estimator='gae',
+                   adam_b1=0.9, adam_b2=0.999, max_grad_norm=0.5, gamma=0.99,
+                   entropy_coeff=0.01, value_lr=1e-3, n_eval_episodes=4)
+
+
+@pytest.mark.parametrize('policy_loss, overrides', [
+    # PPO: 64 minibatch steps of 128 (4 passes) on 2048 steps per epoch.
+    ('ppo', dict(n_interactions_per_epoch=2048, train_steps_per_epoch=64, batch_size=128,
+                 value_batch_size=128, value_train_steps_per_epoch=64, lr=1e-3, epochs=100)),
+    # A2C: 2 full-batch steps on 1024 steps per epoch.
+    ('a2c', dict(n_interactions_per_epoch=1024, train_steps_per_epoch=2, batch_size=0,
+                 value_batch_size=128, value_train_steps_per_epoch=32, lr=1e-3, epochs=120)),
+])
+def test_actor_critic_solves_cartpole(policy_loss, overrides):
+    config = pg.Config(policy_loss=policy_loss, **AC_CARTPOLE, **overrides)
+    agent, state, history, _, _ = run_phases(config, epochs=config.epochs)
+    key = common.eval_key(0.0, 500)
+    assert float(history[0][key][0]) < 200  # it learned, it did not start there
+    assert float(history[-1][key][0]) >= 475
+    assert np.isfinite(float(history[-1]['metrics/value_loss'][0]))
+
+
+@pytest.mark.parametrize('argv, message', [
+    (['--advantage-estimator', 'gae'], 'needs a value network'),
+    (['--policy-loss', 'ppo', '--advantage-estimator', 'mean_return'], 'trains a value network'),
+    (['--policy-loss', 'sarsa'], '--policy-loss'),
+    (['--policy-loss', 'a2c', '--advantage-estimator', 'nope'], '--advantage-estimator'),
+    (['--policy-loss', 'a2c', '--added-policy-slice-length', '0'], '--added-policy-slice-length'),
+    (['--policy-loss', 'ppo', '--lambda', '1.5'], '--lambda'),
+    (['--policy-loss', 'ppo', '--epsilon', '0'], '--epsilon'),
+    (['--policy-loss', 'ppo', '--value-train-steps-per-epoch', '10',
+      '--value-evals-per-epoch', '3'], 'divisible'),
+    (['--policy-loss', 'ppo', '--scale-value-targets', '--gamma', '1'], '--scale-value-targets'),
+])
+def test_bad_actor_critic_input_exits_2_with_one_line(argv, message, tmp_path, capsys):
+    out = tmp_path / 'bad'
+    with pytest.raises(SystemExit) as exit_info:
+        pg.main([*argv, '--output-dir', str(out), '--quiet'])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and message in err
+    assert not out.exists()  # refused before anything is compiled or written
+
+
+def test_lambda_flag_and_actor_critic_defaults():
+    parser = common.build_parser(pg.Config, 'pg.py', '')
+    args = parser.parse_args(['--lambda', '0.9,0.8', '--policy-loss', 'ppo'])
+    config, grid = common.config_and_grid(pg.Config, args)
+    assert grid == {'lambda_': [0.9, 0.8]} and config.lambda_ == 0.9
+    assert pg.estimator_name(config) == 'td_lambda'  # Trax's actor-critic default
+    assert pg.estimator_name(pg.Config()) == 'mean_return'  # REINFORCE's baseline
+    assert pg.Config().policy_loss == 'reinforce' and pg.Config().entropy_coeff == 0.0
+
+
+def test_ppo_gaussian_probe_converges_to_the_best_continuous_action():
+    """The Box path of the actor-critic: PPO (Gaussian log-probs and ratios)
+    on one-step episodes whose best action is 0.5."""
+    config = ac_config(env='PgProbe-BoxTarget', policy_loss='ppo', epochs=40, max_steps=None,
+                       n_trajectories_per_epoch=64, hidden_sizes=(16,), lr=0.02,
+                       init_log_std=-0.5, train_steps_per_epoch=4, batch_size=32,
+                       value_train_steps_per_epoch=8, value_lr=0.05, n_eval_episodes=8,
+                       adam_b1=0.9)
+    agent, state, history, _, _ = run_phases(config, epochs=config.epochs)
+    net = jax.tree.map(lambda x: x[0], state.params['net'])
+    assert float(common.mlp(net, jnp.ones(2))[0]) == pytest.approx(0.5, abs=0.1)
+    assert float(history[-1][common.eval_key(0.0, 1)][0]) > -0.01
+    assert 0 <= float(history[-1]['metrics/clip_fraction'][0]) <= 1

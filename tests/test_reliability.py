@@ -260,7 +260,7 @@ FORMERLY_CRASHING = [
     ('pg', ['--hidden-sizes', '0'], '--hidden-sizes entries must be >= 1'),
     ('dqn', ['--lr', 'nan'], '--lr must be a number'),
     ('dqn', ['--lr', 'inf'], '--lr must be finite'),
-    ('pg', ['--entropy-coefficient', 'nan'], '--entropy-coefficient must be a number'),
+    ('pg', ['--entropy-coeff', 'nan'], '--entropy-coeff must be a number'),
     ('dqn', ['--eval-temperatures', 'nan'], '--eval-temperatures entries must be a number'),
     ('dqn', ['--exploration-decay-factor', '2'], '--exploration-decay-factor must be in (0, 1]'),
     ('dqn', ['--max-slice-length', '100000'], '--max-slice-length must be at most 33'),

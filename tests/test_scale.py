@@ -140,10 +140,10 @@ def test_pg_grid_equals_the_separate_runs(cache_dir, tmp_path):
     import pg
     grid_out = str(tmp_path / 'grid')
     pg.main([*PG_TINY, '--compile-cache', cache_dir, '--output-dir', grid_out,
-             '--entropy-coefficient', '0,0.1', '--lr', '1e-2,3e-2'])
+             '--entropy-coeff', '0,0.1', '--lr', '1e-2,3e-2'])
     summary = json.load(open(os.path.join(grid_out, 'summary.json')))
     # Outer to inner in the order of the fields in --help (lr before entropy).
-    assert [(r['lr'], r['entropy_coefficient']) for r in summary['runs']] == [
+    assert [(r['lr'], r['entropy_coeff']) for r in summary['runs']] == [
         (1e-2, 0.0), (1e-2, 0.1), (3e-2, 0.0), (3e-2, 0.1)]
     records = assert_grid_equals_separate_runs(
         pg.main, [*PG_TINY, '--compile-cache', cache_dir], grid_out, tmp_path)
