@@ -1,6 +1,6 @@
 """What dqn.py and pg.py share: Trax's advantage estimators, its `remaining_evals`
 helper, and the small plumbing every run needs (env by name, MLP, schedules,
-config flags, atomic checkpoints, metrics files, the epoch loop).
+config flags, atomic checkpoints, metrics files, processes, the epoch loop).
 
 Copy this file together with dqn.py or pg.py; nothing here imports either script.
 Importing it compiles nothing.
@@ -1095,9 +1095,17 @@ class agreement:
         raise SystemExit(status)
 
 
+def _lost_contact(error):
+    text = str(error).lower()
+    return not _out_of_memory(error) and any(word in text for word in (
+        'gloo', 'connection', 'coordination', 'unavailable', 'peer', 'heartbeat', 'barrier'))
+
+
 def lost_a_process(prog, error):
     """A collective failed mid-run (another process died): one line, and exit
-    without JAX's exit handlers, which would wait for the dead process."""
+    without JAX's exit handlers, which would wait for the dead process. (When
+    process 0 dies, JAX's coordination client may also log, or abort this
+    process first: it watches the coordinator from a thread of its own.)"""
     first = (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
     print(f'{prog}: error: process {jax.process_index()}: lost contact with another process '
           f'({first}); rerun every process with the same flags to resume from the last '
@@ -1247,7 +1255,7 @@ def run_experiment(make_agent, config, grid, args, prog):
     except ValueError as error:  # corrupt / mismatched checkpoint, remaining_evals
         _fail(prog, str(error), status=1, local=getattr(error, 'local', False))
     except (jax.errors.JaxRuntimeError, MemoryError) as error:
-        if _processes.started and not _out_of_memory(error):
+        if _processes.started and _lost_contact(error):
             lost_a_process(prog, error)
         if not _out_of_memory(error):
             raise
