@@ -55,10 +55,11 @@ def command(algo, cache_dir, flags):
 
 
 @contextlib.contextmanager
-def processes(algo, cache_dir, flags, count=2, devices=2, per_process=None, port=None):
-    """`count` processes of one run (process i gets per_process[i] flags too);
-    yields the Popen list; every group is killed on the way out."""
-    port = port or free_port()
+def processes(algo, cache_dir, flags, count=2, devices=2, per_process=None, cwds=None):
+    """`count` processes of one run (process i gets per_process[i] flags too,
+    and runs in cwds[i]); yields the Popen list; every group is killed on the
+    way out."""
+    port = free_port()
     started = []
     try:
         for index in range(count):
@@ -66,7 +67,8 @@ def processes(algo, cache_dir, flags, count=2, devices=2, per_process=None, port
                              str(count), '--process-id', str(index),
                              *(per_process[index] if per_process else [])]
             started.append(subprocess.Popen(
-                command(algo, cache_dir, [*flags, *process_flags]), cwd=ROOT,
+                command(algo, cache_dir, [*flags, *process_flags]),
+                cwd=cwds[index] if cwds else ROOT,
                 env=environment(devices), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                 text=True, start_new_session=True))
         yield started
@@ -262,3 +264,23 @@ def test_processes_refuse_together(per_process, flags, needle, cache_dir, tmp_pa
     assert len(lines) == 1 and needle in lines[0], err_0
     assert out_0 == out_1 == err_1 == ''
     assert not os.path.exists(out)
+
+
+def test_an_error_only_one_process_meets_stops_both(references, cache_dir, tmp_path):
+    """Process 1 cannot see the checkpoint process 0 resumes from (here: the
+    same relative --output-dir from another working dir; on hosts, a dir not
+    shared): it says so, process 0 repeats it, both exit 2, nothing written."""
+    first, second = tmp_path / 'host0', tmp_path / 'host1'
+    shutil.copytree(references['dqn'], first / 'run')
+    second.mkdir()
+    before = sorted(os.listdir(first / 'run'))
+    (status_0, out_0, err_0), (status_1, out_1, err_1) = run_two(
+        'dqn', cache_dir, [*SEEDS, '--quiet', '--output-dir', 'run'],
+        cwds=[str(first), str(second)])
+    assert (status_0, status_1) == (2, 2), err_0 + err_1
+    for err, prefix in ((err_0, 'dqn.py: error: process 1: '), (err_1, 'dqn.py: error: ')):
+        lines = err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(prefix), err
+        assert 'filesystem every process shares' in lines[0]
+    assert out_0 == out_1 == ''
+    assert sorted(os.listdir(first / 'run')) == before and os.listdir(second) == []
