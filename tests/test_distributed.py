@@ -284,3 +284,41 @@ def test_an_error_only_one_process_meets_stops_both(references, cache_dir, tmp_p
         assert 'filesystem every process shares' in lines[0]
     assert out_0 == out_1 == ''
     assert sorted(os.listdir(first / 'run')) == before and os.listdir(second) == []
+
+
+def test_distributed_auto_reads_slurm(cache_dir, tmp_path):
+    """--distributed auto under (simulated) SLURM: JAX reads the process count,
+    ids and coordinator from SLURM's variables; here 2 processes x 2 devices,
+    which 6 runs do not divide: said once, by process 0."""
+    # JAX derives the coordinator port from the job id: 61440 + job id % 4096.
+    for port in range(61440 + os.getpid() % 4000, 65536):
+        with socket.socket() as probe:
+            try:
+                probe.bind(('127.0.0.1', port))
+                break
+            except OSError:
+                continue
+    out = str(tmp_path / 'run')
+    started = []
+    try:
+        for index in range(2):
+            env = dict(environment(2), SLURM_JOB_ID=str(port - 61440 + 4096),
+                       SLURM_STEP_NODELIST='127.0.0.1', SLURM_NTASKS='2',
+                       SLURM_PROCID=str(index), SLURM_LOCALID=str(index))
+            started.append(subprocess.Popen(
+                command('dqn', cache_dir, ['--distributed', 'auto', '--num-seeds', '6',
+                                           '--output-dir', out]),
+                cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                start_new_session=True))
+        (status_0, out_0, err_0), (status_1, out_1, err_1) = finish(started)
+    finally:
+        for process in started:
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.communicate()
+    assert (status_0, status_1) == (2, 2), err_0 + err_1
+    assert err_0.strip() == ('dqn.py: error: 6 run(s) do not divide evenly over the 4 devices '
+                             'of 2 processes; use a multiple of 4 runs (--num-seeds times the '
+                             'grid points)'), err_0
+    assert out_0 == out_1 == err_1 == ''
+    assert not os.path.exists(out)
