@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -266,10 +267,10 @@ def test_processes_refuse_together(per_process, flags, needle, cache_dir, tmp_pa
     assert not os.path.exists(out)
 
 
-def test_an_error_only_one_process_meets_stops_both(references, cache_dir, tmp_path):
-    """Process 1 cannot see the checkpoint process 0 resumes from (here: the
-    same relative --output-dir from another working dir; on hosts, a dir not
-    shared): it says so, process 0 repeats it, both exit 2, nothing written."""
+def test_processes_must_see_the_same_saved_run(references, cache_dir, tmp_path):
+    """Process 1 does not see the run process 0 resumes (here: the same relative
+    --output-dir from another working dir; on hosts, a dir not shared): said
+    once, by process 0; both exit 2, nothing written."""
     first, second = tmp_path / 'host0', tmp_path / 'host1'
     shutil.copytree(references['dqn'], first / 'run')
     second.mkdir()
@@ -278,12 +279,37 @@ def test_an_error_only_one_process_meets_stops_both(references, cache_dir, tmp_p
         'dqn', cache_dir, [*SEEDS, '--quiet', '--output-dir', 'run'],
         cwds=[str(first), str(second)])
     assert (status_0, status_1) == (2, 2), err_0 + err_1
+    lines = err_0.strip().splitlines()
+    assert len(lines) == 1 and 'process(es) 1 do not find the saved run' in lines[0], err_0
+    assert 'filesystem every process shares' in lines[0]
+    assert out_0 == out_1 == err_1 == ''
+    assert sorted(os.listdir(first / 'run')) == before and os.listdir(second) == []
+
+
+def test_an_error_only_one_process_meets_stops_both(references, cache_dir, tmp_path):
+    """Process 1's copy of the checkpoint has another state structure (an
+    error only it meets, when restoring): it says so, process 0 repeats it,
+    both stop with status 1 and nothing is written."""
+    first, second = tmp_path / 'host0', tmp_path / 'host1'
+    for host in (first, second):
+        shutil.copytree(references['dqn'], host / 'run')
+    path = second / 'run' / 'checkpoint.npz'
+    header, leaves = common._read_checkpoint(str(path))
+    header['paths'], leaves = header['paths'][:-1], leaves[:-1]
+    arrays = {f'leaf_{i:05d}': leaf for i, leaf in enumerate(leaves)}
+    arrays['header'] = np.frombuffer(json.dumps(header).encode(), np.uint8)
+    np.savez(str(path), **arrays)
+    before = sorted(os.listdir(first / 'run'))
+    (status_0, out_0, err_0), (status_1, out_1, err_1) = run_two(
+        'dqn', cache_dir, [*SEEDS, '--quiet', '--output-dir', 'run'],
+        cwds=[str(first), str(second)])
+    assert (status_0, status_1) == (1, 1), err_0 + err_1
     for err, prefix in ((err_0, 'dqn.py: error: process 1: '), (err_1, 'dqn.py: error: ')):
         lines = err.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith(prefix), err
-        assert 'filesystem every process shares' in lines[0]
+        assert 'different state structure' in lines[0]
     assert out_0 == out_1 == ''
-    assert sorted(os.listdir(first / 'run')) == before and os.listdir(second) == []
+    assert sorted(os.listdir(first / 'run')) == before
 
 
 def test_distributed_auto_reads_slurm(cache_dir, tmp_path):
@@ -322,3 +348,36 @@ def test_distributed_auto_reads_slurm(cache_dir, tmp_path):
                              'grid points)'), err_0
     assert out_0 == out_1 == err_1 == ''
     assert not os.path.exists(out)
+
+
+def test_readme_localhost_example_runs_as_written(cache_dir, tmp_path):
+    """README's two-process block, run by bash in a fresh dir with `python`
+    this interpreter; only the port is swapped for a free one (and the compile
+    cache is the tests', by JAX_COMPILATION_CACHE_DIR)."""
+    text = open(os.path.join(ROOT, 'README.md')).read()
+    start = text.index('```bash\nfor i in 0 1; do\n')
+    block = text[start + len('```bash\n'):text.index('```', start + 3)]
+    assert '--coordinator-address 127.0.0.1:23456' in block and 'wait' in block
+    block = block.replace('127.0.0.1:23456', f'127.0.0.1:{free_port()}')
+    bin_dir = tmp_path / 'bin'
+    bin_dir.mkdir()
+    (bin_dir / 'python').symlink_to(sys.executable)
+    for script in ('dqn.py', 'pg.py', 'common.py'):
+        (tmp_path / script).symlink_to(os.path.join(ROOT, script))
+    env = dict(environment(1), PATH=f'{bin_dir}{os.pathsep}{os.environ["PATH"]}',
+               JAX_COMPILATION_CACHE_DIR=cache_dir)
+    del env['XLA_FLAGS']  # the block sets it (the tests' compile options are dropped too)
+    process = subprocess.Popen(['bash', '-c', block], cwd=tmp_path, env=env, text=True,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               start_new_session=True)
+    try:
+        out, err = process.communicate(timeout=TIMEOUT)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.communicate()
+    assert process.returncode == 0 and err == '', err
+    lines = out.splitlines()
+    assert len(lines) == 3 and lines[-1].startswith('done: 8 run(s)'), out
+    summary = json.load(open(tmp_path / 'runs' / 'two_processes' / 'summary.json'))
+    assert summary['seeds'] == list(range(8)) and summary['epochs'] == 2
