@@ -1,6 +1,6 @@
 """What dqn.py and pg.py share: Trax's advantage estimators, its `remaining_evals`
 helper, and the small plumbing every run needs (env by name, MLP, schedules,
-config flags, atomic checkpoints, metrics files, the epoch loop).
+config flags, atomic checkpoints, metrics files, processes, the epoch loop).
 
 Copy this file together with dqn.py or pg.py; nothing here imports either script.
 Importing it compiles nothing.
@@ -13,6 +13,7 @@ import dataclasses
 import datetime
 import fcntl
 import glob
+import hashlib
 import importlib
 import importlib.util
 import io
@@ -22,6 +23,7 @@ import math
 import os
 import signal
 import sys
+import threading
 import time
 import types
 import typing
@@ -619,6 +621,28 @@ def build_parser(config_cls, prog, description):
     run.add_argument('--compile-cache', default=DEFAULT_COMPILE_CACHE,
                      help="XLA's persistent compilation cache dir ('none': off); a rerun "
                           'of the same program skips most of its compile time')
+    processes = parser.add_argument_group(
+        'processes', 'one sweep over several processes or hosts (jax.distributed): start '
+        'every process with the same flags but --process-id; the runs are sharded over all '
+        "their devices, process 0 writes every file and line; --output-dir must be on a "
+        'filesystem they all see to resume')
+    processes.add_argument('--distributed', default=None, choices=('auto',),
+                           help="auto: jax.distributed.initialize() with the cluster's "
+                                'settings (SLURM, Open MPI); the flags below override them '
+                                '(default: one process, unless the flags below are given)')
+    processes.add_argument('--coordinator-address', default=None, metavar='HOST:PORT',
+                           help="process 0's address and a free port, the same for every "
+                                'process (default: none)')
+    processes.add_argument('--num-processes', default=None, metavar='N',
+                           type=_flag_parser(int, False, True, False, '--num-processes'),
+                           help='how many processes take part (default: none)')
+    processes.add_argument('--process-id', default=None, metavar='I',
+                           type=_flag_parser(int, False, True, False, '--process-id'),
+                           help='this process, in [0, N) (default: none)')
+    processes.add_argument('--coordinator-timeout', default=60.0, metavar='SECONDS',
+                           type=_flag_parser(float, False, False, False, '--coordinator-timeout'),
+                           help='stop with an error if the processes are not all connected '
+                                'within this time')
     return parser
 
 
@@ -1022,17 +1046,273 @@ def memory_available(device):
 
 def check_memory(agent, hp, keys, devices, hint):
     """UsageError if the runs cannot fit on `devices` (sharded evenly over them;
-    devices of the CPU share the host's RAM)."""
+    devices of the CPU share the host's RAM). Over several processes, this
+    process's share on its own devices."""
     needed, what = memory_needed(agent, hp, keys)
+    local = [device for device in devices if device.process_index == jax.process_index()]
     if devices[0].platform == 'cpu':
-        available = memory_available(devices[0])
+        needed = needed * len(local) // len(devices)
+        available = memory_available(local[0])
     else:
         needed //= len(devices)
-        available = min(memory_available(device) for device in devices)
+        available = min(memory_available(device) for device in local)
     if needed > available:
         raise UsageError(
             f'{len(keys)} run(s) need at least {needed / 2**30:.1f} GiB ({what}) but '
             f'{available / 2**30:.1f} GiB is available; lower {hint}')
+
+
+# ---------------------------------------------------------------------------
+# Processes: one experiment over several processes (hosts) with
+# jax.distributed. The runs axis is sharded over every process's devices in
+# one global mesh, with the same shard_map program as on one host; each device
+# computes its slice alone, so the processes only talk to agree on the flags
+# and on errors, and to gather metrics and checkpoints to process 0, the one
+# writer. Without the flags below none of this runs and nothing changes.
+#
+# Checkpoints are gathered and written by process 0 alone (not one shard file
+# per process plus a manifest): the save stays one atomic rename, so a kill -9
+# of any process at any moment leaves the last whole checkpoint, with no
+# cross-host commit to get wrong; and the file is the same, bitwise, whatever
+# the number of processes and devices, so a run resumes with another process
+# count, or on one machine, and --only-eval works anywhere. The cost: the
+# state is all-gathered to every process at each checkpoint (DQN's replay
+# dominates: about 1.1 MB per CartPole seed), and resuming reads the
+# checkpoint on every process, so --output-dir must be on a filesystem every
+# process sees.
+# ---------------------------------------------------------------------------
+
+PROCESS_FLAGS = ('distributed', 'coordinator_address', 'num_processes', 'process_id')
+_processes = types.SimpleNamespace(started=False, prog='')
+_MESSAGE_BYTES = 512  # an error relayed between processes, utf-8, cut to this
+
+
+def distributed_requested(args):
+    return any(getattr(args, name, None) is not None for name in PROCESS_FLAGS)
+
+
+def check_process_flags(args):
+    """The process flags alone (before anything connects): UsageError if bad."""
+    if not distributed_requested(args):
+        return
+    auto = args.distributed == 'auto'
+    address, count, index = args.coordinator_address, args.num_processes, args.process_id
+    if address is not None:
+        host, _, port = address.rpartition(':')
+        if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+            raise UsageError(f'--coordinator-address must be HOST:PORT (port 1-65535), '
+                             f'got {address!r}')
+    if not auto:
+        given = [f'--{name.replace("_", "-")}' for name in PROCESS_FLAGS[1:]
+                 if getattr(args, name) is not None]
+        if address is None:
+            raise UsageError(f'{given[0]} needs --coordinator-address HOST:PORT (or '
+                             '--distributed auto on a cluster JAX detects)')
+        if count is None or index is None:
+            raise UsageError('--coordinator-address needs --num-processes N and '
+                             '--process-id I (or --distributed auto on a cluster JAX detects)')
+    if count is not None and count < 1:
+        raise UsageError(f'--num-processes must be >= 1, got {count}')
+    if index is not None and count is not None and not 0 <= index < count:
+        raise UsageError(f'--process-id must be in [0, {count}) for --num-processes {count}, '
+                         f'got {index}')
+    if index is not None and index < 0:
+        raise UsageError(f'--process-id must be >= 0, got {index}')
+    if args.device is not None:
+        raise UsageError('--device pins one device of one process; it cannot be combined '
+                         'with the process flags (runs are sharded over every process)')
+
+
+def start_processes(args, prog):
+    """jax.distributed.initialize from the flags; must run before any JAX
+    computation. Waits at most --coordinator-timeout seconds for all processes
+    to connect, then stops with one line (JAX itself would abort the process
+    with a C++ stack trace)."""
+    if not distributed_requested(args) or _processes.started:
+        return
+    jax.config.update('jax_cpu_collectives_implementation', 'gloo')  # CPU collectives
+    kwargs = {name: getattr(args, name) for name in PROCESS_FLAGS[1:]
+              if getattr(args, name) is not None}
+    timeout = args.coordinator_timeout
+    address = args.coordinator_address or "the cluster's coordinator"
+    if args.process_id == 0:
+        why = (f'not all {args.num_processes} processes connected to the coordinator at '
+               f'{address} within {timeout:g} s (--coordinator-timeout); is every process '
+               'started, with the same --coordinator-address and --num-processes?')
+    else:
+        why = (f'no coordinator answered at {address} within {timeout:g} s '
+               '(--coordinator-timeout); is process 0 running there, with the same '
+               '--num-processes, and is the address reachable from here?')
+
+    def give_up():
+        print(f'{prog}: error: {why}', file=sys.stderr, flush=True)
+        os._exit(2)  # skip JAX's exit handlers: they would wait for the others
+
+    watchdog = threading.Timer(timeout, give_up)
+    watchdog.daemon = True
+    watchdog.start()
+    try:
+        jax.distributed.initialize(**kwargs, initialization_timeout=int(timeout) + 60,
+                                   heartbeat_timeout_seconds=max(30, int(timeout)))
+    except (ValueError, TypeError, RuntimeError) as error:
+        first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        if args.distributed == 'auto' and 'should be defined' in first:
+            first = ('no cluster detected (SLURM, Open MPI); give --coordinator-address, '
+                     '--num-processes and --process-id')
+        raise UsageError(f'jax.distributed.initialize: {first}') from None
+    finally:
+        watchdog.cancel()
+    _processes.started, _processes.prog = True, prog
+    # Gloo prints a line on stdout (fd 1) for each group it connects: send fd 1
+    # to /dev/null and keep Python's stdout on the real one.
+    sys.stdout.flush()
+    real_stdout = os.dup(1)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 1)
+    os.close(devnull)
+    sys.stdout = io.TextIOWrapper(os.fdopen(real_stdout, 'wb'), line_buffering=True)
+
+
+def is_writer():
+    """Whether this process writes files and stdout: process 0, or the only one."""
+    return not _processes.started or jax.process_index() == 0
+
+
+def _allgather(values):
+    """[n_processes, *shape] numpy: every process's host-local `values`."""
+    from jax.experimental import multihost_utils
+    return np.asarray(multihost_utils.process_allgather(np.asarray(values)))
+
+
+def from_process_0(value):
+    """Process 0's int (uint32) `value`, on every process."""
+    if not _processes.started:
+        return value
+    return int(_allgather(np.asarray([value], np.uint32))[0, 0])
+
+
+def any_process(flag):
+    """True on every process if `flag` is true on any."""
+    if not _processes.started:
+        return bool(flag)
+    return bool(np.any(_allgather(np.asarray([bool(flag)], np.uint8))))
+
+
+def gather(tree):
+    """A pytree of [n_runs, ...] arrays, whole as numpy on every process (one
+    writer needs all runs: metrics, checkpoints); bitwise, only data moves."""
+    if not _processes.started:
+        return jax.tree.map(np.asarray, jax.device_get(tree))
+    from jax.experimental import multihost_utils
+    return jax.tree.map(np.asarray, multihost_utils.process_allgather(tree, tiled=True))
+
+
+def put_global(tree, sharding):
+    """Host arrays [n_runs, ...] (the same on every process) onto `sharding`;
+    each process builds only its addressable shards."""
+    if not _processes.started:
+        return jax.device_put(tree, sharding)
+    def put(leaf):
+        leaf = np.asarray(leaf)
+        return jax.make_array_from_callback(leaf.shape, sharding, lambda index: leaf[index])
+    return jax.tree.map(put, tree)
+
+
+def _digest(value):
+    """Two uint32 words of the SHA-256 of a JSON value."""
+    data = hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).digest()
+    return np.frombuffer(data[:8], np.uint32)
+
+
+def check_same_flags(args):
+    """Refuse processes started with different flags: compare a hash of every
+    flag (but --process-id and --compile-cache) across processes, then name
+    the flags that differ."""
+    if not _processes.started:
+        return
+    sees = _allgather(np.asarray([getattr(args, 'sees_saved_run', False)], np.uint8))[:, 0]
+    if sees.any() and not sees.all():
+        blind = ', '.join(str(p) for p in range(len(sees)) if sees[p] != sees[0])
+        raise UsageError(f'process(es) {blind} {"do not" if sees[0] else "alone"} find the saved '
+                         f'run in --output-dir {args.output_dir} that process 0 '
+                         f'{"resumes" if sees[0] else "does not"}; it must be on a filesystem '
+                         'every process shares')
+    flags = {name: value for name, value in sorted(vars(args).items())
+             if name not in ('process_id', 'compile_cache', 'given', 'sees_saved_run')}
+    overall = _allgather(np.concatenate([[len(flags)], _digest(flags)]).astype(np.uint32))
+    if (overall == overall[0]).all():
+        return
+    if not (overall[:, 0] == overall[0, 0]).all():
+        raise UsageError('the processes run different versions of the script (their sets of '
+                         'flags differ); start every process with the same code and flags')
+    each = _allgather(np.stack([_digest(value) for value in flags.values()]))
+    differing = [f'--{name.replace("_", "-")}' for index, name in enumerate(flags)
+                 if not (each[:, index] == each[0, index]).all()]
+    others = [str(p) for p in range(len(each)) if not (each[p] == each[0]).all()]
+    raise UsageError(f'the processes were started with different flags: {", ".join(differing)} '
+                     f'differ between process 0 and process(es) {", ".join(others)}; start '
+                     'every process with the same flags (but --process-id)')
+
+
+class agreement:
+    """A block that may fail on some processes only (their own files, free
+    memory): at its end every process learns whether any failed, and all stop
+    together. A process reports its own error; process 0 also reports the
+    first other process's, so its stderr always says why. One process: a no-op."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, error, traceback):
+        if not _processes.started:
+            return False
+        status, message = 0, ''
+        if isinstance(error, SystemExit):  # _fail: already reported
+            status = error.code if isinstance(error.code, int) else 1
+        elif isinstance(error, UsageError):
+            status, message = 2, str(error)
+        elif isinstance(error, ValueError):
+            status, message = 1, str(error)
+        elif error is not None:
+            return False  # a bug: its traceback, and the others stop when this one dies
+        text = np.zeros(_MESSAGE_BYTES, np.uint8)
+        encoded = message.encode()[:_MESSAGE_BYTES]
+        text[:len(encoded)] = np.frombuffer(encoded, np.uint8)
+        table = _allgather(np.concatenate([[min(status, 255)], text]).astype(np.uint8))
+        failed = [(process, int(row[0]), bytes(row[1:]).rstrip(b'\0').decode(errors='replace'))
+                  for process, row in enumerate(table) if row[0]]
+        if not failed:
+            return False
+        me = jax.process_index()
+        if error is not None:
+            # Process 0 had the same error: it says it, the others stay quiet.
+            same = failed[0][0] == 0 and failed[0][2] == message and message
+            error.local = me == 0 or not same
+            return False
+        process, status, message = failed[0]
+        if me == 0:
+            print(f'{_processes.prog}: error: process {process}: {message or "stopped"}',
+                  file=sys.stderr, flush=True)
+        raise SystemExit(status)
+
+
+def _lost_contact(error):
+    text = str(error).lower()
+    return not _out_of_memory(error) and any(word in text for word in (
+        'gloo', 'connection', 'coordination', 'unavailable', 'peer', 'heartbeat', 'barrier'))
+
+
+def lost_a_process(prog, error):
+    """A collective failed mid-run (another process died): one line, and exit
+    without JAX's exit handlers, which would wait for the dead process. (When
+    process 0 dies, JAX's coordination client may also log, or abort this
+    process first: it watches the coordinator from a thread of its own.)"""
+    first = (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
+    print(f'{prog}: error: process {jax.process_index()}: lost contact with another process '
+          f'({first}); rerun every process with the same flags to resume from the last '
+          'checkpoint', file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(1)
 
 
 # ---------------------------------------------------------------------------
@@ -1071,8 +1351,11 @@ class Agent:
 HARMLESS_FIELDS = {'epochs', 'checkpoint_every'}
 
 
-def _fail(prog, message, status=2):
-    print(f'{prog}: error: {message}', file=sys.stderr)
+def _fail(prog, message, status=2, local=False):
+    """One line on stderr, then exit. Over several processes an error every
+    process meets alike is said by process 0 alone; a `local` one by its own."""
+    if local or is_writer():
+        print(f'{prog}: error: {message}', file=sys.stderr)
     sys.exit(status)
 
 
@@ -1108,6 +1391,17 @@ def output_dir_lock(path):
         os.close(fd)  # releases the lock
 
 
+@contextlib.contextmanager
+def _writer_lock(path):
+    """output_dir_lock, held by process 0 alone (the one writer); a refusal
+    stops every process."""
+    with contextlib.ExitStack() as stack:
+        with agreement():
+            if is_writer():
+                stack.enter_context(output_dir_lock(path))
+        yield
+
+
 def _lock_holder(fd):
     """The pid the lock holder wrote (it writes it right after locking)."""
     for _ in range(20):
@@ -1125,6 +1419,10 @@ def _run_sharding(n_runs, device):
         if not 0 <= device < len(devices):
             raise UsageError(f'--device {device} out of range; {len(devices)} device(s) seen')
         return jax.sharding.SingleDeviceSharding(devices[device])
+    if jax.process_count() > 1 and n_runs % len(devices) != 0:
+        raise UsageError(f'{n_runs} run(s) do not divide evenly over the {len(devices)} devices '
+                         f'of {jax.process_count()} processes; use a multiple of {len(devices)} '
+                         'runs (--num-seeds times the grid points)')
     if len(devices) == 1 or n_runs % len(devices) != 0:
         return jax.sharding.SingleDeviceSharding(devices[0])
     mesh = jax.sharding.Mesh(np.array(devices), ('runs',))
@@ -1172,6 +1470,7 @@ def main(config_cls, make_agent, check_hyperparameters, prog, description, argv=
     args.given = given_flags(parser, argv)
     try:
         saved = saved_run_config(args.output_dir)
+        args.sees_saved_run = saved is not None  # processes must agree (check_same_flags)
         if saved is not None:  # resume: what the command line leaves out is the saved run's
             take_saved_config(config_cls, args, saved)
         config, grid = config_and_grid(config_cls, args)
@@ -1184,11 +1483,15 @@ def main(config_cls, make_agent, check_hyperparameters, prog, description, argv=
 
 
 def check_run_flags(args):
-    """--num-seeds >= 1 and every run's seed a valid int32 PRNG seed."""
+    """--num-seeds >= 1, every run's seed a valid int32 PRNG seed, the process flags."""
     if not 1 <= args.num_seeds <= INT32_MAX:
         raise UsageError(f'--num-seeds must be >= 1, got {args.num_seeds}')
     if not 0 <= args.seed <= INT32_MAX - args.num_seeds + 1:
         raise UsageError(f'--seed must be in [0, {INT32_MAX} - num_seeds + 1], got {args.seed}')
+    timeout = getattr(args, 'coordinator_timeout', 60.0)
+    if not 1 <= timeout <= 86400:
+        raise UsageError(f'--coordinator-timeout must be in [1, 86400] seconds, got {timeout:g}')
+    check_process_flags(args)
 
 
 def run_experiment(make_agent, config, grid, args, prog):
@@ -1196,10 +1499,12 @@ def run_experiment(make_agent, config, grid, args, prog):
     try:
         return _run_experiment(make_agent, config, grid, args, prog)
     except UsageError as error:
-        _fail(prog, str(error))
+        _fail(prog, str(error), local=getattr(error, 'local', False))
     except ValueError as error:  # corrupt / mismatched checkpoint, remaining_evals
-        _fail(prog, str(error), status=1)
+        _fail(prog, str(error), status=1, local=getattr(error, 'local', False))
     except (jax.errors.JaxRuntimeError, MemoryError) as error:
+        if _processes.started and _lost_contact(error):
+            lost_a_process(prog, error)
         if not _out_of_memory(error):
             raise
         # check_memory's estimate is a floor; this is XLA finding it short.
@@ -1216,7 +1521,7 @@ def _out_of_memory(error):
 
 def _run_experiment(make_agent, config, grid, args, prog):
     run = _set_up(make_agent, config, grid, args, prog)
-    with output_dir_lock(run.output_dir):  # one writer per run dir, from here on
+    with _writer_lock(run.output_dir):  # one writer per run dir, from here on
         return _locked_experiment(run, args, prog)
 
 
@@ -1225,7 +1530,7 @@ def _locked_experiment(run, args, prog):
     state, phases, finite = _compile_phases(run, args)
     if run.resuming:
         state = _restore(run, state)
-    elif not args.only_eval:
+    elif not args.only_eval and is_writer():
         atomic_write_bytes(os.path.join(run.output_dir, 'config.json'),
                            json.dumps(run.run_config, indent=2).encode())
     if args.only_eval:
@@ -1273,45 +1578,57 @@ def _set_up(make_agent, config, grid, args, prog):
     if getattr(args, 'tensorboard', True) and importlib.util.find_spec('tensorboardX') is None:
         raise UsageError('TensorBoard summaries need the tensorboardX package '
                          '(pip install -r requirements.txt); or pass --no-tensorboard')
+    start_processes(args, prog)  # with the process flags: connect, before any JAX work
+    check_same_flags(args)
     runs = expand_runs(config, grid, args.seed, args.num_seeds)
     agent = make_agent(config)  # validates the config and the env
     hp = hyperparameters(config, runs)
     sharding = _run_sharding(len(runs), args.device)
-    check_memory(agent, hp, jax.ShapeDtypeStruct((len(runs), 2), jnp.uint32),
-                 sorted(sharding.device_set, key=lambda device: device.id), agent.memory_flags)
 
     output_dir = args.output_dir
     if output_dir is None:
         if args.only_eval:
             raise UsageError('--only-eval needs --output-dir of a saved run')
-        stamp = datetime.datetime.now().strftime('%Y%m%d-%H%M%S')
-        output_dir = os.path.join('runs', f'{agent.name}_{config.env}_s{args.seed}_{stamp}')
+        now = datetime.datetime.fromtimestamp(from_process_0(int(time.time())))
+        output_dir = os.path.join(
+            'runs', f'{agent.name}_{config.env}_s{args.seed}_{now.strftime("%Y%m%d-%H%M%S")}')
     checkpoint_path = os.path.join(output_dir, 'checkpoint.npz')
-    if args.only_eval and not any(os.path.isfile(os.path.join(output_dir, name))
-                                  for name in ('checkpoint.npz', 'checkpoint.prev.npz')):
-        # (checkpoint.npz alone is briefly absent while a running writer saves)
-        raise UsageError(f'--only-eval: no checkpoint at {checkpoint_path}')
-    _prepare_output_dir(output_dir, prog)
+    with agreement():  # this host's memory and (process 0) files
+        check_memory(agent, hp, jax.ShapeDtypeStruct((len(runs), 2), jnp.uint32),
+                     sorted(sharding.device_set, key=lambda device: device.id),
+                     agent.memory_flags)
+        if is_writer():
+            if args.only_eval and not any(os.path.isfile(os.path.join(output_dir, name))
+                                          for name in ('checkpoint.npz', 'checkpoint.prev.npz')):
+                # (checkpoint.npz alone is briefly absent while a running writer saves)
+                raise UsageError(f'--only-eval: no checkpoint at {checkpoint_path}')
+            _prepare_output_dir(output_dir, prog)
 
     run_config = {'algorithm': agent.name, **dataclasses.asdict(config), 'grid': grid,
                   'seed': args.seed, 'num_seeds': args.num_seeds}
     run_config = json.loads(json.dumps(run_config))  # tuples -> lists, as saved
     # Each run's key is PRNGKey(its seed), built in one call (not one per run).
     keys = jax.vmap(jax.random.PRNGKey)(jnp.asarray([run['seed'] for run in runs], jnp.int32))
-    return _Run(agent=agent, config=config, runs=runs, hp=jax.device_put(hp, sharding),
-                keys=jax.device_put(keys, sharding), sharding=sharding, output_dir=output_dir,
+    return _Run(agent=agent, config=config, runs=runs, hp=put_global(hp, sharding),
+                keys=put_global(keys, sharding), sharding=sharding, output_dir=output_dir,
                 run_config=run_config, resuming=False, wall_start=wall_start)
 
 
 def _find_saved_run(run):
-    """Is there a run to resume? Refuse a broken checkpoint or another config
-    before compiling."""
-    if not os.path.exists(run.checkpoint_path) and os.path.exists(run.previous_path):
+    """Is there a run to resume (process 0 decides)? Refuse a broken checkpoint
+    or another config before compiling."""
+    if is_writer() and not os.path.exists(run.checkpoint_path) \
+            and os.path.exists(run.previous_path):
         # A crash between the two renames of a save: the previous one is whole.
         os.replace(run.previous_path, run.checkpoint_path)
-    run.resuming = os.path.exists(run.checkpoint_path)
-    if run.resuming:
-        _check_saved_config(run)
+    run.resuming = bool(from_process_0(os.path.exists(run.checkpoint_path)))
+    with agreement():  # every process reads the checkpoint to resume
+        if run.resuming and not os.path.exists(run.checkpoint_path):
+            raise UsageError(f'process 0 resumes from {run.checkpoint_path}, which this '
+                             'process cannot see; --output-dir must be on a filesystem every '
+                             'process shares')
+        if run.resuming:
+            _check_saved_config(run)
 
 
 def _check_saved_config(run):
@@ -1355,7 +1672,8 @@ def _compile_phases(run, args):
     state = compiled(run.agent.init, run.keys, run.hp)(run.keys, run.hp)
     phases = {name: compiled(getattr(run.agent, name), run.hp, state)
               for name in ('collect', 'train', 'evaluate')}
-    finite = jax.jit(_finite_floats).lower(state.params).compile()
+    # Per run, [n_runs] (no reduction across devices or processes).
+    finite = compiled(lambda hp, state: _finite_floats(state.params), run.hp, state)
     run.compile_s = time.time() - compile_start
     return state, phases, finite
 
@@ -1363,12 +1681,13 @@ def _compile_phases(run, args):
 def _restore(run, state):
     """Load the checkpoint into `state`'s structure; set start_epoch and history."""
     config = run.config
-    restored, saved = load_checkpoint(run.checkpoint_path, state)
-    state = jax.device_put(restored, run.sharding)
+    with agreement():
+        restored, saved = load_checkpoint(run.checkpoint_path, state)
+    state = put_global(restored, run.sharding)
     run.start_epoch = saved['epoch']
-    run.history = read_history(run.metrics_path, run.start_epoch)
+    run.history = read_history(run.metrics_path, run.start_epoch) if is_writer() else []
     # Trax's check that the trainer is at an epoch boundary.
-    for step in np.unique(np.asarray(state.train_step)):
+    for step in np.unique(np.asarray(restored.train_step)):
         try:
             left = remaining_evals(int(step), run.start_epoch + 1, config.train_steps_per_epoch,
                                    config.evals_per_epoch)
@@ -1383,7 +1702,9 @@ def _restore(run, state):
 def _only_eval(run, phases, state, args):
     """--only-eval: one evaluation of the saved parameters, into eval.jsonl."""
     _, metrics = phases['evaluate'](run.hp, state)
-    metrics = {name: np.asarray(value) for name, value in jax.device_get(metrics).items()}
+    metrics = gather(metrics)
+    if not is_writer():
+        return metrics
     records = metric_records(run.start_epoch, metrics, run.runs)
     write_jsonl(os.path.join(run.output_dir, 'eval.jsonl'), records)
     if not args.quiet:
@@ -1403,8 +1724,7 @@ def _run_epoch(run, phases, state):
     jax.block_until_ready(state)
     train_s = time.time() - epoch_start - collect_s
     state, eval_metrics = phases['evaluate'](run.hp, state)
-    metrics = {**collect_metrics, **train_metrics, **eval_metrics}
-    metrics = {name: np.asarray(value) for name, value in jax.device_get(metrics).items()}
+    metrics = gather({**collect_metrics, **train_metrics, **eval_metrics})
     new_steps = metrics.pop('rl/new_interactions')
     metrics['rl/n_interactions_per_second'] = new_steps / max(collect_s, 1e-9)
     metrics['timing/collect'] = np.full(n_runs, collect_s)
@@ -1419,19 +1739,20 @@ def _epoch_loop(run, phases, finite, state, args, prog):
     and Ctrl-C. Returns the last epoch's metrics."""
     config = run.config
     # The checkpoint decides: drop lines of epochs after it (they are redone).
-    atomic_write_bytes(run.metrics_path, b''.join(
-        (json.dumps(record) + '\n').encode() for record in run.history))
+    if is_writer():
+        atomic_write_bytes(run.metrics_path, b''.join(
+            (json.dumps(record) + '\n').encode() for record in run.history))
     last = {}
     progress = _Progress(run)
     with _Interrupt() as interrupt, \
             Summaries(run.output_dir, run.runs, run.run_config, run.history,
-                      enabled=getattr(args, 'tensorboard', True)) as summaries:
+                      enabled=getattr(args, 'tensorboard', True) and is_writer()) as summaries:
         for epoch in range(run.start_epoch + 1, config.epochs + 1):
             epoch_start = time.time()
             state, metrics = _run_epoch(run, phases, state)
             bad = [name for name, values in metrics.items()
                    if name.startswith('metrics/') and not np.all(np.isfinite(values))]
-            if bad or not bool(finite(state.params)):
+            if bad or not np.all(gather(finite(run.hp, state))):
                 what = ', '.join(bad) if bad else 'network parameters'
                 _fail(prog, f'non-finite {what} in epoch {epoch}; stopped, the checkpoint '
                             f'of epoch {epoch - 1} in {run.output_dir} is kept', status=1)
@@ -1439,20 +1760,24 @@ def _epoch_loop(run, phases, finite, state, args, prog):
             run.history.extend(records)
             # Metrics first, then the checkpoint: a crash between the two leaves
             # lines of an epoch the resumed run recomputes identically.
-            write_jsonl(run.metrics_path, records)
-            summaries.write(records)
-            if epoch % config.checkpoint_every == 0 or epoch == config.epochs \
-                    or interrupt.requested:
-                save_checkpoint(run.checkpoint_path, state,
-                                {'config': run.run_config, 'epoch': epoch},
-                                previous=run.previous_path)
+            if is_writer():
+                write_jsonl(run.metrics_path, records)
+                summaries.write(records)
+            interrupted = any_process(interrupt.requested)  # all processes stop together
+            if epoch % config.checkpoint_every == 0 or epoch == config.epochs or interrupted:
+                whole_state = gather(state)  # every process takes part
+                if is_writer():
+                    save_checkpoint(run.checkpoint_path, whole_state,
+                                    {'config': run.run_config, 'epoch': epoch},
+                                    previous=run.previous_path)
             last = metrics
             line = progress.line(epoch, metrics, time.time() - epoch_start)
-            if not args.quiet:
+            if not args.quiet and is_writer():
                 print(line, flush=True)
-            if interrupt.requested:
-                print(f'interrupted after epoch {epoch}; rerun with --output-dir '
-                      f'{run.output_dir} to resume', file=sys.stderr)
+            if interrupted:
+                if is_writer():
+                    print(f'interrupted after epoch {epoch}; rerun with --output-dir '
+                          f'{run.output_dir} to resume', file=sys.stderr)
                 sys.exit(130)
     return last
 
@@ -1473,7 +1798,9 @@ class _Progress:
 
 
 def _finish(run, args):
-    """summary.json, the optional plot and the final line."""
+    """summary.json, the optional plot and the final line (process 0's)."""
+    if not is_writer():
+        return
     summary = _summary(run.agent, run.config, run.runs, run.history, run.wall_start,
                        run.compile_s, getattr(args, 'batch_invariant', True))
     atomic_write_bytes(os.path.join(run.output_dir, 'summary.json'),

@@ -21,6 +21,7 @@ from test_reliability import ROOT, SMALL, cache_dir  # noqa: F401  (cache_dir: t
 
 COMMAND = re.compile(r'(?:^|[\s/])python ((?:dqn|pg)\.py\b[^#\n]*?)(?:\s*(?:#.*|&&.*|\|.*|;.*))?$')
 EXIT_2 = '# exits 2'
+PROCESSES = re.compile(r'--(?:distributed|coordinator-address)\b')
 # test_reliability's small sizes, with DQN's epochs short (those are long there so a kill lands).
 SIZES = {algo: list(flags) for algo, flags in SMALL.items()}
 SIZES['dqn'][SIZES['dqn'].index('--train-steps-per-epoch') + 1] = '16'
@@ -34,7 +35,7 @@ def readme_commands():
             in_block = not in_block
             continue
         match = COMMAND.search(line) if in_block else None
-        if match:
+        if match and not PROCESSES.search(line):  # several processes: test_distributed.py
             script, *argv = shlex.split(match.group(1))
             commands.append((script, argv, 2 if EXIT_2 in line else 0))
     return commands
