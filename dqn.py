@@ -6,7 +6,7 @@ pure function of the state pytree, and so is the whole epoch (`agent.epoch`),
 vmapped over runs (seeds x hyperparameter grid) and compiled once; Python only
 loops over epochs.
 
-Fixed relative to Trax (SPEC §5): terminal and truncated transitions are
+Fixed relative to Trax: terminal and truncated transitions are
 regression targets; n-step sums stop at termination; time-limit truncation
 bootstraps from the true final observation instead of being treated as a
 terminal; `n_replay_epochs` really keeps that many epochs; the target network
@@ -70,6 +70,11 @@ class Config:
     exploration_steps_per_decay: int = common.option(1, 'epochs per epsilon decay')
     exploration_minimum: float = common.option(
         0.01, 'epsilon floor (Trax: 0.1)', sweep=True)
+    torso: str = common.option(
+        'auto', 'Q-network torso: mlp, conv (3x3 convs, ReLU, flatten) or auto (conv for '
+        '[height, width, channels] observations, mlp otherwise)')
+    conv_channels: tuple[int, ...] = common.option(
+        (16,), 'conv torso: channels of each 3x3 stride-1 conv (MinAtar paper: 16)')
     hidden_sizes: tuple[int, ...] = common.option((64, 64), 'Q-network hidden layer sizes')
     n_eval_episodes: int = common.option(32, 'episodes per evaluation (0: no evaluation)')
     eval_steps: Optional[tuple[int, ...]] = common.option(
@@ -188,7 +193,9 @@ def make_agent(config: Config) -> common.Agent:
     eval_tags = [(t, h) for t in config.eval_temperatures
                  for h in (config.eval_steps or (max_steps,))]
     obs_shape = env.observation_space(env_params).shape
-    obs_size = common.flat_obs_size(env, env_params)
+    torso = common.resolve_torso(config.torso, obs_shape)
+    if torso == 'conv':
+        common.conv_output_shape(obs_shape, config.conv_channels)  # refuses too small
     n_step = config.max_slice_length - 1
     if config.n_trajectories_per_epoch:
         n_envs, steps = config.n_trajectories_per_epoch, max_steps
@@ -209,8 +216,7 @@ def make_agent(config: Config) -> common.Agent:
         return 1.0 / (1.0 - hp['gamma']) if config.scale_value_targets else 1.0
 
     def q_values(params, obs, hp):
-        obs = obs.reshape(obs.shape[:obs.ndim - len(obs_shape)] + (obs_size,))
-        return common.mlp(params, obs.astype(jnp.float32)) * value_scale(hp)
+        return common.network(params, obs, obs_shape) * value_scale(hp)
 
     def optimizer(hp):
         schedule = common.multifactor(config.lr_schedule, constant=hp['lr'],
@@ -259,8 +265,8 @@ def make_agent(config: Config) -> common.Agent:
 
     def init(key, hp):
         net_key, env_key, key = jax.random.split(key, 3)
-        params = common.init_mlp(
-            net_key, [obs_size, *config.hidden_sizes, n_actions])
+        params = common.init_network(net_key, obs_shape, config.hidden_sizes, n_actions,
+                                     torso, config.conv_channels)
         obs, env_state = env_reset(env_key, n_envs)
         obs_dtype = storage_dtype(obs.dtype)
         replay = Replay(
@@ -453,6 +459,8 @@ def check_config(config: Config):
     if config.max_slice_length < 2:
         raise error(f'--max-slice-length must be >= 2 (n-step = L - 1), got '
                     f'{config.max_slice_length}; Trax\'s L = 1 trains on empty batches')
+    if not config.conv_channels or any(c < 1 for c in config.conv_channels):
+        raise error(f'--conv-channels needs entries >= 1, got {list(config.conv_channels)}')
     if any(h < 1 for h in config.eval_steps or ()):
         raise error(f'--eval-steps entries must be >= 1, got {list(config.eval_steps)}')
     if any(t < 0 for t in config.eval_temperatures):

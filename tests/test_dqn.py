@@ -32,6 +32,7 @@ from gymnax.environments import environment, spaces  # noqa: E402
 
 import common  # noqa: E402
 import dqn  # noqa: E402
+import probe_envs  # noqa: E402
 
 # The envs registered before this module adds its probes (smoke-tested below).
 GYMNAX_ENVS = list(gymnax.registered_envs)
@@ -124,6 +125,9 @@ PROBES = {kind: f'DqnProbe{kind.title().replace("_", "")}-test' for kind in PROB
 for _kind, _name in PROBES.items():
     if _name not in gymnax.registered_envs:
         gymnax.register(_name, lambda kind=_kind: Probe(kind, PROBE_LIMITS[kind]))
+
+
+probe_envs.register()  # the 5x5x2 image probe, learnt through the conv torso
 
 
 def run_hp(config, n_runs=1, seed=0):
@@ -584,6 +588,26 @@ def test_probe_truncation_bootstraps():
     config, params = train_probe('truncation', max_slice_length=4)  # 3-step windows
     np.testing.assert_allclose(q_of(config, params, [[0.0]]), [[2.0, 2.0]],
                                atol=PROBE_TOLERANCE)
+
+
+def test_probe_image_observation_through_the_conv_torso():
+    """5x5x2 grid, reward +-1 by which channel holds the one lit cell, anywhere:
+    --torso auto picks the conv torso, and its Q reads the channel at every cell."""
+    config = dqn.Config(env=probe_envs.IMAGE_PROBE, epochs=12,
+                        **{**PROBE_CONFIG, 'hidden_sizes': (32,)}, conv_channels=(8,),
+                        scale_value_targets=False)
+    agent = dqn.make_agent(config)
+    final, _ = epochs_program(agent, single_hp(config), 12, lambda s, m: ())(
+        jax.random.PRNGKey(0))
+    params = jax.device_get(final.params)
+    assert set(params) == {'conv', 'mlp'}  # auto chose conv for rank-3 observations
+    assert params['conv'][0]['w'].shape == (3, 3, 2, 8)
+    cells = jnp.arange(25)
+    obs = jnp.concatenate([jax.vmap(probe_envs.image_observation, (0, None))(cells, 1.0),
+                           jax.vmap(probe_envs.image_observation, (0, None))(cells, -1.0)])
+    q = np.asarray(common.network(params, obs, probe_envs.IMAGE_SHAPE))
+    want = np.repeat([[1.0, 1.0], [-1.0, -1.0]], 25, axis=0)
+    np.testing.assert_allclose(q, want, atol=PROBE_TOLERANCE)
 
 
 # ---------------------------------------------------------------------------
