@@ -506,7 +506,13 @@ def enable_compile_cache(path):
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Appends each flag's default, unless its help already says what it is."""
+    """Appends each flag's default, unless its help already says what it is;
+    the epilog (the env settings table) keeps its lines."""
+
+    def _fill_text(self, text, width, indent):
+        if text.startswith(_SETTINGS_HEADING):
+            return ''.join(indent + line for line in text.splitlines(keepends=True))
+        return super()._fill_text(text, width, indent)
 
     def _get_help_string(self, action):
         if '(default' in (action.help or ''):
@@ -514,9 +520,11 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
-def build_parser(config_cls, prog, description):
-    """A parser with one flag per config field plus the run flags."""
-    parser = ArgumentParser(prog=prog, description=description, formatter_class=_HelpFormatter)
+def build_parser(config_cls, prog, description, env_settings=None):
+    """A parser with one flag per config field plus the run flags; --help ends
+    with the table of per-env settings."""
+    parser = ArgumentParser(prog=prog, description=description, formatter_class=_HelpFormatter,
+                            epilog=None if env_settings is None else env_settings_help(env_settings))
     hints = typing.get_type_hints(config_cls)
     for field in dataclasses.fields(config_cls):
         flag = '--' + field.name.replace('_', '-')
@@ -569,6 +577,46 @@ def given_flags(parser, argv):
     for action in bare._actions:
         action.default = argparse.SUPPRESS
     return set(vars(bare.parse_args(argv)))
+
+
+# ---------------------------------------------------------------------------
+# Per-env settings: each algorithm file has a plain table {env name: {field:
+# value}} of the fields that differ from its generic defaults (the CartPole
+# ones). Layering: defaults < env settings < flags typed on the command line.
+# ---------------------------------------------------------------------------
+
+_SETTINGS_HEADING = 'per-env settings'
+
+
+def _flag_text(value):
+    if isinstance(value, (tuple, list)):
+        return ','.join(str(v) for v in value)
+    return str(value)
+
+
+def env_settings_help(table):
+    """--help's epilog: one line per env, as the flags it amounts to."""
+    lines = [f'{_SETTINGS_HEADING} (used when --env is one of these; a flag given on the '
+             'command line wins):']
+    for env, settings in table.items():
+        flags = ' '.join(f'--{name.replace("_", "-")} {_flag_text(value)}'
+                         for name, value in settings.items())
+        lines.append(f'  {env}: {flags}')
+    return '\n'.join(lines if table else lines + ['  (none)'])
+
+
+def apply_env_settings(config_cls, args, table):
+    """Set on `args` the settings of args.env that no command-line flag gave;
+    -> {field: value} of those applied. Refuses a table naming no such field."""
+    names = {field.name for field in dataclasses.fields(config_cls)}
+    applied = {}
+    for name, value in (table or {}).get(args.env, {}).items():
+        if name not in names:
+            raise ValueError(f'env settings for {args.env}: no config field {name!r}')
+        if name not in getattr(args, 'given', set()):
+            setattr(args, name, value)
+            applied[name] = value
+    return applied
 
 
 def config_and_grid(config_cls, args):
@@ -856,12 +904,20 @@ def config_differences(saved, current):
                   if name not in HARMLESS_FIELDS and saved.get(name) != current.get(name))
 
 
-def main(config_cls, make_agent, check_hyperparameters, prog, description, argv=None):
-    """The command line of dqn.py / pg.py: parse flags, check every run's
-    hyperparameters, then run (or resume, or only evaluate) the experiment."""
-    parser = build_parser(config_cls, prog, description)
+def main(config_cls, make_agent, check_hyperparameters, prog, description, argv=None,
+         env_settings=None):
+    """The command line of dqn.py / pg.py: parse flags, apply the env's
+    settings, check every run's hyperparameters, then run (or resume, or only
+    evaluate) the experiment."""
+    parser = build_parser(config_cls, prog, description, env_settings)
     args = parser.parse_args(argv)
     args.given = given_flags(parser, argv)
+    applied = apply_env_settings(config_cls, args, env_settings)
+    if applied and not args.quiet:
+        print(f'{prog}: settings for {args.env}: '
+              + ' '.join(f'--{name.replace("_", "-")} {_flag_text(value)}'
+                         for name, value in applied.items())
+              + ' (a flag on the command line overrides each)', flush=True)
     config, grid = config_and_grid(config_cls, args)
     try:
         check_hyperparameters(config, expand_runs(config, grid, args.seed, 1))
