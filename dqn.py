@@ -116,7 +116,12 @@ ENV_SETTINGS = {
     # returns carry the goal reward back faster; gamma 0.95 (not 0.99) keeps
     # the slip-noisy far states from swamping the values (0.99: mean 0.55).
     'FourRooms-misc': {'epochs': 200, 'max_slice_length': 6, 'lr': 3e-3, 'gamma': 0.95},
-    'Acrobot-v1': {'lr': 3e-3},
+    # Twice the gradient steps per env step, lr 3e-3: -82 on seeds 8-11 (the
+    # defaults: -93; 1e-2 is too noisy here).
+    'Acrobot-v1': {'epochs': 60, 'train_steps_per_epoch': 256, 'lr': 3e-3},
+    # Arm 0 pays 0, arm 1 mu ~ N(-1, 1) per episode: at gamma 0.99 the nets
+    # overrate arm 1 (mean -0.5 on seeds 8-11); at 0.9 they keep to arm 0.
+    'GaussianBandit-misc': {'gamma': 0.9, 'lr': 3e-3},
     # Sparse: nothing until epsilon-greedy first reaches the flag. Slower epsilon
     # decay (0.97 per epoch: 0.05 after 100 epochs) and 5-step returns.
     'MountainCar-v0': {'epochs': 100, 'max_slice_length': 6, 'lr': 3e-3,
