@@ -48,8 +48,10 @@ NOTES = {
                             'a memoryless policy sees only the last pull, so at best it '
                             'plays win-stay lose-shift, about 82 of the 90',
     'MetaMaze-misc': 'the goal is found again each episode from a local view: needs memory',
-    'DeepSea-bsuite': 'epsilon-greedy almost never reaches the treasure (deep exploration); '
-                      'the baseline 0 is what always going left gets',
+    'DeepSea-bsuite': 'the baseline 0 is what always going left gets; the treasure (0.99) '
+                      'needs deep exploration, which epsilon-greedy lacks: at gymnax\'s '
+                      'size 8 uniform moves still find it once in 256 episodes, so some '
+                      'seeds learn it, at bsuite\'s larger sizes (2^-N) none would',
     'UmbrellaChain-bsuite': 'every step but the last adds a +-1 distractor reward, so one '
                             'episode\'s return has std 3: evaluated on 16384 episodes',
 }
@@ -245,9 +247,15 @@ def main(argv=None):
     parser.add_argument('--seeds', default=None,
                         help='N (seeds 0..N-1) or A-B (default: 8; MinAtar rows 4)')
     parser.add_argument('--out', default=os.path.join(ROOT, 'docs', 'results.md'))
+    parser.add_argument('--render', action='store_true',
+                        help='only rewrite --out and its PNG from the saved rows')
     args = parser.parse_args(argv)
     json_path = os.path.splitext(args.out)[0] + '.json'
     rows = json.load(open(json_path)) if os.path.exists(json_path) else []
+    if args.render:
+        write_table(rows, args.out)
+        plot(rows, png_path(args.out))
+        return rows
     for env_name in [e.strip() for e in args.envs.split(',') if e.strip()]:
         kind = action_kind(env_name)
         random_return = random_policy_return(env_name)
