@@ -411,9 +411,111 @@ def multifactor(factors='constant * linear_warmup * rsqrt_decay', constant=0.1,
 # ---------------------------------------------------------------------------
 
 
-def option(default, help, sweep=False):
-    """A config field with its --help line; `sweep` fields take a comma list."""
-    return dataclasses.field(default=default, metadata={'help': help, 'sweep': sweep})
+def option(default, help, sweep=False, bounds=None, choices=None):
+    """A config field with its --help line and its constraint.
+
+    `sweep`: the flag takes a comma list (a grid over runs). `bounds`: an
+    interval such as '[1, inf)' or '(0, 1]' that every value must lie in (each
+    tuple entry, each sweep value); an int field without bounds still must fit
+    int32. Every float must be finite, unless its bounds close on inf ('[0,
+    inf]'). `choices`: the allowed strings. `check_fields` enforces them all.
+    """
+    if bounds is not None:
+        Bounds.parse(bounds)  # a malformed interval fails at import, not at run time
+    return dataclasses.field(default=default, metadata={
+        'help': help, 'sweep': sweep, 'bounds': bounds, 'choices': choices})
+
+
+INT32_MAX = 2 ** 31 - 1  # counters and sizes live in int32 arrays
+
+
+@dataclasses.dataclass(frozen=True)
+class Bounds:
+    """An interval, written as in maths: '[1, inf)', '(0, 1]', '[0, 1)'."""
+    low: float
+    high: float
+    low_closed: bool
+    high_closed: bool
+
+    @classmethod
+    def parse(cls, text):
+        text = text.strip()
+        if len(text) < 5 or text[0] not in '[(' or text[-1] not in '])' or ',' not in text:
+            raise ValueError(f'bounds {text!r}: expected an interval like "[0, 1)"')
+        low, high = (float(part) for part in text[1:-1].split(','))
+        return cls(low, high, text[0] == '[', text[-1] == ']')
+
+    def __contains__(self, value):
+        above = value >= self.low if self.low_closed else value > self.low
+        below = value <= self.high if self.high_closed else value < self.high
+        return above and below
+
+    def __str__(self):
+        def number(x):
+            return ('-inf' if x < 0 else 'inf') if math.isinf(x) else f'{x:g}'
+        if math.isinf(self.high) and not self.high_closed:
+            return f'{">=" if self.low_closed else ">"} {number(self.low)}'
+        return (f'in {"[" if self.low_closed else "("}{number(self.low)}, '
+                f'{number(self.high)}{"]" if self.high_closed else ")"}')
+
+
+def _field_kinds(config_cls):
+    hints = typing.get_type_hints(config_cls)
+    return {field.name: _base_type(hints[field.name]) for field in dataclasses.fields(config_cls)}
+
+
+def constraint_text(field, kind):
+    """The constraint as --help shows it, e.g. 'in (0, 1]' or '>= 1' ('' if none)."""
+    if field.metadata.get('choices'):
+        return 'one of ' + ', '.join(field.metadata['choices'])
+    if field.metadata.get('bounds'):
+        return str(Bounds.parse(field.metadata['bounds']))
+    return 'finite' if kind is float else ''
+
+
+def _value_error(field, kind, value):
+    """Why one value breaks the field's constraint, or None if it is fine."""
+    choices, bounds = field.metadata.get('choices'), field.metadata.get('bounds')
+    if choices and value not in choices:
+        return f'must be {constraint_text(field, kind)}'
+    if kind not in (int, float):
+        return None
+    interval = Bounds.parse(bounds) if bounds else None
+    if kind is float and math.isnan(value):
+        return 'must be a number'
+    if kind is float and math.isinf(value) and not (interval and value in interval):
+        return 'must be finite'
+    if interval is not None and value not in interval:
+        return f'must be {interval}'
+    if kind is int and abs(value) > INT32_MAX:
+        return f'must be at most {INT32_MAX} in size (int32)'
+    return None
+
+
+def check_fields(config, grid=None):
+    """Every field's declared constraint, on every value: the config's, each
+    entry of a tuple and each value of a sweep list. Raises UsageError naming
+    the flag. Cross-field rules stay in each script's check_config."""
+    kinds = _field_kinds(type(config))
+    for field in dataclasses.fields(config):
+        kind, is_tuple, _ = kinds[field.name]
+        values = (grid or {}).get(field.name, [getattr(config, field.name)])
+        for value in values:
+            if value is None:  # an Optional field left unset
+                continue
+            for entry in (value if is_tuple else (value,)):
+                why = _value_error(field, kind, entry)
+                if why:
+                    what = 'entries ' if is_tuple else ''
+                    raise UsageError(f'--{field.name.replace("_", "-")} {what}{why}, got '
+                                     f'{_show(value)}')
+
+
+def _show(value):
+    if isinstance(value, tuple):
+        return ','.join(f'{v:g}' if isinstance(v, float) else str(v) for v in value)
+    return f'{value:g}' if isinstance(value, float) else repr(value) if isinstance(
+        value, str) else str(value)
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -530,6 +632,9 @@ def build_parser(config_cls, prog, description, env_settings=None):
         flag = '--' + field.name.replace('_', '-')
         kind, is_tuple, optional = _base_type(hints[field.name])
         help_text = field.metadata.get('help', '')
+        constraint = constraint_text(field, kind)
+        if constraint:
+            help_text += f' {{{constraint}}}'
         sweep = field.metadata.get('sweep', False)
         if sweep:
             help_text += ' [comma list = sweep]'
@@ -809,6 +914,77 @@ def epoch_line(epoch, metrics, seconds):
 
 
 # ---------------------------------------------------------------------------
+# Memory: refuse, before compiling, a run that cannot fit. The estimate is a
+# floor: the state twice (a phase's input and output are both alive) plus the
+# largest array any phase materialises. XLA's own out-of-memory error stays
+# the backstop (run_experiment turns it into one line).
+# ---------------------------------------------------------------------------
+
+# Outputs XLA fuses into their consumers instead of materialising.
+_FUSED_PRIMITIVES = {'broadcast_in_dim', 'convert_element_type', 'iota', 'reshape',
+                     'squeeze', 'expand_dims', 'transpose', 'select_n'}
+
+
+def _nbytes(aval):
+    return math.prod(aval.shape) * aval.dtype.itemsize if hasattr(aval, 'shape') else 0
+
+
+def _largest_array(jaxpr):
+    """Bytes of the largest array an equation of `jaxpr` (or of any jaxpr nested
+    in it: scan and while bodies, conds, inner jits) outputs."""
+    largest = 0
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name not in _FUSED_PRIMITIVES:
+            largest = max([largest] + [_nbytes(var.aval) for var in eqn.outvars])
+        for param in eqn.params.values():
+            for inner in (param if isinstance(param, (tuple, list)) else (param,)):
+                inner = getattr(inner, 'jaxpr', inner)  # ClosedJaxpr -> Jaxpr
+                if hasattr(inner, 'eqns'):
+                    largest = max(largest, _largest_array(inner))
+    return largest
+
+
+def memory_needed(agent, hp, keys):
+    """(bytes, what) of the floor estimate for all runs: `hp` and `keys` carry
+    the runs axis; nothing is compiled or run, only traced."""
+    state = jax.eval_shape(jax.vmap(agent.init), keys, hp)
+    state_bytes = sum(_nbytes(leaf) for leaf in jax.tree.leaves(state))
+    phase_bytes = {name: _largest_array(jax.make_jaxpr(jax.vmap(getattr(agent, name)))(
+        hp, state).jaxpr) for name in ('collect', 'train', 'evaluate')}
+    phase, largest = max(phase_bytes.items(), key=lambda item: item[1])
+    return 2 * state_bytes + largest, f'state {state_bytes / 2**30:.2f} GiB x 2 + {phase} ' \
+        f'{largest / 2**30:.2f} GiB'
+
+
+def memory_available(device):
+    """Bytes free on `device`: what it reports (accelerators), else host RAM."""
+    stats = device.memory_stats() if hasattr(device, 'memory_stats') else None
+    if stats and 'bytes_limit' in stats:
+        return stats['bytes_limit'] - stats.get('bytes_in_use', 0)
+    try:
+        with open('/proc/meminfo') as meminfo:
+            fields = dict(line.split(':', 1) for line in meminfo)
+        return int(fields['MemAvailable'].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return os.sysconf('SC_AVPHYS_PAGES') * os.sysconf('SC_PAGE_SIZE')
+
+
+def check_memory(agent, hp, keys, devices, hint):
+    """UsageError if the runs cannot fit on `devices` (sharded evenly over them;
+    devices of the CPU share the host's RAM)."""
+    needed, what = memory_needed(agent, hp, keys)
+    if devices[0].platform == 'cpu':
+        available = memory_available(devices[0])
+    else:
+        needed //= len(devices)
+        available = min(memory_available(device) for device in devices)
+    if needed > available:
+        raise UsageError(
+            f'{len(keys)} run(s) need at least {needed / 2**30:.1f} GiB ({what}) but '
+            f'{available / 2**30:.1f} GiB is available; lower {hint}')
+
+
+# ---------------------------------------------------------------------------
 # The epoch loop (Trax's Agent.run): Python only drives epochs; each phase is
 # one compiled, vmapped pure function over all runs.
 # ---------------------------------------------------------------------------
@@ -829,6 +1005,7 @@ class Agent:
     evaluate: typing.Callable
     eval_tags: list  # [(temperature, steps)] evaluated each epoch
     max_steps: int  # the episode cap actually used
+    memory_flags: str = '--num-seeds'  # what to lower when the runs do not fit
 
     def epoch(self, hp, state):
         """One whole epoch, collect -> train -> evaluate, as one pure function:
@@ -920,10 +1097,20 @@ def main(config_cls, make_agent, check_hyperparameters, prog, description, argv=
               + ' (a flag on the command line overrides each)', flush=True)
     config, grid = config_and_grid(config_cls, args)
     try:
+        check_run_flags(args)
+        check_fields(config, grid)
         check_hyperparameters(config, expand_runs(config, grid, args.seed, 1))
     except UsageError as error:
         parser.error(str(error))
     return run_experiment(make_agent, config, grid, args, prog)
+
+
+def check_run_flags(args):
+    """--num-seeds >= 1 and every run's seed a valid int32 PRNG seed."""
+    if not 1 <= args.num_seeds <= INT32_MAX:
+        raise UsageError(f'--num-seeds must be >= 1, got {args.num_seeds}')
+    if not 0 <= args.seed <= INT32_MAX - args.num_seeds + 1:
+        raise UsageError(f'--seed must be in [0, {INT32_MAX} - num_seeds + 1], got {args.seed}')
 
 
 def run_experiment(make_agent, config, grid, args, prog):
@@ -934,16 +1121,77 @@ def run_experiment(make_agent, config, grid, args, prog):
         _fail(prog, str(error))
     except ValueError as error:  # corrupt / mismatched checkpoint, remaining_evals
         _fail(prog, str(error), status=1)
+    except (jax.errors.JaxRuntimeError, MemoryError) as error:
+        if not _out_of_memory(error):
+            raise
+        # check_memory's estimate is a floor; this is XLA finding it short.
+        first_line = (str(error).strip().splitlines() or ['MemoryError'])[0][:300]
+        _fail(prog, f'out of memory: {first_line}; any checkpoint in --output-dir is kept '
+                    '(lower --num-seeds, the grid or the buffer sizes)', status=1)
+
+
+def _out_of_memory(error):
+    text = str(error)
+    return isinstance(error, MemoryError) or 'RESOURCE_EXHAUSTED' in text \
+        or 'out of memory' in text.lower()
 
 
 def _run_experiment(make_agent, config, grid, args, prog):
+    run = _set_up(make_agent, config, grid, args, prog)
+    state, phases, finite = _compile_phases(run, args)
+    if run.resuming:
+        state = _restore(run, state)
+    elif not args.only_eval:
+        atomic_write_bytes(os.path.join(run.output_dir, 'config.json'),
+                           json.dumps(run.run_config, indent=2).encode())
+    if args.only_eval:
+        return _only_eval(run, phases, state, args)
+    last = _epoch_loop(run, phases, finite, state, args, prog)
+    _finish(run, args)
+    return last
+
+
+@dataclasses.dataclass
+class _Run:
+    """What the driver's pieces share about one experiment (all its runs)."""
+    agent: Agent
+    config: typing.Any
+    runs: list  # one dict per run: seed and grid values
+    hp: typing.Any  # the runs' hyperparameters, [n_runs, ...] on `sharding`
+    keys: typing.Any  # one PRNG key per run
+    sharding: typing.Any
+    output_dir: str
+    run_config: dict  # what config.json and the checkpoint record
+    resuming: bool
+    wall_start: float
+    compile_s: float = 0.0
+    start_epoch: int = 0
+    history: list = dataclasses.field(default_factory=list)  # metric records so far
+
+    @property
+    def checkpoint_path(self):
+        return os.path.join(self.output_dir, 'checkpoint.npz')
+
+    @property
+    def previous_path(self):
+        return os.path.join(self.output_dir, 'checkpoint.prev.npz')
+
+    @property
+    def metrics_path(self):
+        return os.path.join(self.output_dir, 'metrics.jsonl')
+
+
+def _set_up(make_agent, config, grid, args, prog):
+    """Check the flags and the output dir (and a saved run there) before compiling."""
     wall_start = time.time()
     enable_compile_cache(getattr(args, 'compile_cache', None))
-    if args.num_seeds < 1:
-        raise UsageError(f'--num-seeds must be >= 1, got {args.num_seeds}')
+    check_run_flags(args)
     runs = expand_runs(config, grid, args.seed, args.num_seeds)
     agent = make_agent(config)  # validates the config and the env
     hp = hyperparameters(config, runs)
+    sharding = _run_sharding(len(runs), args.device)
+    check_memory(agent, hp, jax.ShapeDtypeStruct((len(runs), 2), jnp.uint32),
+                 sorted(sharding.device_set, key=lambda device: device.id), agent.memory_flags)
 
     output_dir = args.output_dir
     if output_dir is None:
@@ -959,40 +1207,51 @@ def _run_experiment(make_agent, config, grid, args, prog):
     run_config = {'algorithm': agent.name, **dataclasses.asdict(config), 'grid': grid,
                   'seed': args.seed, 'num_seeds': args.num_seeds}
     run_config = json.loads(json.dumps(run_config))  # tuples -> lists, as saved
-    sharding = _run_sharding(len(runs), args.device)
-    keys = jnp.stack([jax.random.PRNGKey(run['seed']) for run in runs])
-    hp = jax.device_put(hp, sharding)
-    keys = jax.device_put(keys, sharding)
-
-    history, start_epoch = [], 0
-    previous_path = os.path.join(output_dir, 'checkpoint.prev.npz')
-    if not os.path.exists(checkpoint_path) and os.path.exists(previous_path):
+    # Each run's key is PRNGKey(its seed), built in one call (not one per run).
+    keys = jax.vmap(jax.random.PRNGKey)(jnp.asarray([run['seed'] for run in runs], jnp.int32))
+    run = _Run(agent=agent, config=config, runs=runs, hp=jax.device_put(hp, sharding),
+               keys=jax.device_put(keys, sharding), sharding=sharding, output_dir=output_dir,
+               run_config=run_config, resuming=False, wall_start=wall_start)
+    if not os.path.exists(checkpoint_path) and os.path.exists(run.previous_path):
         # A crash between the two renames of a save: the previous one is whole.
-        os.replace(previous_path, checkpoint_path)
-    resuming = os.path.exists(checkpoint_path)
-    if resuming:  # refuse a broken checkpoint or another config before compiling
-        try:
-            saved = read_checkpoint_metadata(checkpoint_path)
-        except ValueError as error:
-            hint = (f'; the previous checkpoint {previous_path} is intact: move it to '
-                    f'{checkpoint_path} to resume from it' if os.path.exists(previous_path)
-                    else '')
-            raise ValueError(f'{error}{hint}') from None
-        differing = config_differences(saved['config'], run_config)
-        if differing == ['lr_decay_epochs']:  # --epochs grew; the schedule is pinned
-            raise UsageError(
-                f'{output_dir} holds a run whose learning rate decays to 0 over '
-                f'{saved["config"]["lr_decay_epochs"]} epochs; to extend it add '
-                f'--lr-decay-epochs {saved["config"]["lr_decay_epochs"]} (its schedule, '
-                'lr 0 from then on) or start a new run with a larger --lr-decay-epochs '
-                'or --lr-schedule constant')
-        if differing:
-            raise UsageError(
-                f'{output_dir} holds a run with a different config; differing: '
-                + ', '.join(f'{name} (saved {saved["config"].get(name)!r}, now '
-                            f'{run_config.get(name)!r})' for name in differing)
-                + '; use another --output-dir')
+        os.replace(run.previous_path, checkpoint_path)
+    run.resuming = os.path.exists(checkpoint_path)
+    if run.resuming:  # refuse a broken checkpoint or another config before compiling
+        _check_saved_config(run)
+    return run
+
+
+def _check_saved_config(run):
+    """The saved run's config must be this one, up to HARMLESS_FIELDS."""
+    try:
+        saved = read_checkpoint_metadata(run.checkpoint_path)
+    except ValueError as error:
+        hint = (f'; the previous checkpoint {run.previous_path} is intact: move it to '
+                f'{run.checkpoint_path} to resume from it' if os.path.exists(run.previous_path)
+                else '')
+        raise ValueError(f'{error}{hint}') from None
+    differing = config_differences(saved['config'], run.run_config)
+    if differing == ['lr_decay_epochs']:  # --epochs grew; the schedule is pinned
+        raise UsageError(
+            f'{run.output_dir} holds a run whose learning rate decays to 0 over '
+            f'{saved["config"]["lr_decay_epochs"]} epochs; to extend it add '
+            f'--lr-decay-epochs {saved["config"]["lr_decay_epochs"]} (its schedule, '
+            'lr 0 from then on) or start a new run with a larger --lr-decay-epochs '
+            'or --lr-schedule constant')
+    if differing:
+        raise UsageError(
+            f'{run.output_dir} holds a run with a different config; differing: '
+            + ', '.join(f'{name} (saved {saved["config"].get(name)!r}, now '
+                        f'{run.run_config.get(name)!r})' for name in differing)
+            + '; use another --output-dir')
+
+
+def _compile_phases(run, args):
+    """Compile init, the three phases and the finiteness check; run init.
+    Returns (initial state, {phase name: compiled}, compiled finite check)."""
     compile_start = time.time()
+    sharding = run.sharding
+    options = compiler_options(getattr(args, 'batch_invariant', True))
     def compiled(function, *example):  # every leaf of every input/output is [n_runs, ...]
         vectorized = jax.vmap(function)
         if isinstance(sharding, jax.sharding.NamedSharding):
@@ -1003,100 +1262,121 @@ def _run_experiment(make_agent, config, grid, args, prog):
                                        in_specs=(spec,) * len(example), out_specs=spec,
                                        check_vma=False)
         return jax.jit(vectorized, in_shardings=sharding, out_shardings=sharding).lower(
-            *example).compile(compiler_options=compiler_options(getattr(args, 'batch_invariant', True)))
-    state = compiled(agent.init, keys, hp)(keys, hp)
-    phases = {name: compiled(getattr(agent, name), hp, state)
+            *example).compile(compiler_options=options)
+    state = compiled(run.agent.init, run.keys, run.hp)(run.keys, run.hp)
+    phases = {name: compiled(getattr(run.agent, name), run.hp, state)
               for name in ('collect', 'train', 'evaluate')}
     finite = jax.jit(_finite_floats).lower(state.params).compile()
-    compile_s = time.time() - compile_start
+    run.compile_s = time.time() - compile_start
+    return state, phases, finite
 
-    if resuming:
-        restored, saved = load_checkpoint(checkpoint_path, state)
-        state = jax.device_put(restored, sharding)
-        start_epoch = saved['epoch']
-        history = read_history(os.path.join(output_dir, 'metrics.jsonl'), start_epoch)
-        # Trax's check that the trainer is at an epoch boundary.
-        for step in np.unique(np.asarray(state.train_step)):
-            try:
-                left = remaining_evals(int(step), start_epoch + 1, config.train_steps_per_epoch,
-                                       config.evals_per_epoch)
-            except ValueError as error:
-                left = error
-            if left != config.evals_per_epoch:
-                raise ValueError(f'checkpoint {checkpoint_path}: trainer step {int(step)} is not '
-                                 f'at the end of epoch {start_epoch} ({left} evals left)')
-    elif not args.only_eval:
-        atomic_write_bytes(os.path.join(output_dir, 'config.json'),
-                           json.dumps(run_config, indent=2).encode())
 
-    if args.only_eval:
-        _, metrics = phases['evaluate'](hp, state)
-        metrics = {name: np.asarray(value) for name, value in jax.device_get(metrics).items()}
-        records = metric_records(start_epoch, metrics, runs)
-        write_jsonl(os.path.join(output_dir, 'eval.jsonl'), records)
-        if not args.quiet:
-            for name, values in metrics.items():
-                print(f'epoch {start_epoch} {name}: {_mean_min(values)}')
-        return metrics
+def _restore(run, state):
+    """Load the checkpoint into `state`'s structure; set start_epoch and history."""
+    config = run.config
+    restored, saved = load_checkpoint(run.checkpoint_path, state)
+    state = jax.device_put(restored, run.sharding)
+    run.start_epoch = saved['epoch']
+    run.history = read_history(run.metrics_path, run.start_epoch)
+    # Trax's check that the trainer is at an epoch boundary.
+    for step in np.unique(np.asarray(state.train_step)):
+        try:
+            left = remaining_evals(int(step), run.start_epoch + 1, config.train_steps_per_epoch,
+                                   config.evals_per_epoch)
+        except ValueError as error:
+            left = error
+        if left != config.evals_per_epoch:
+            raise ValueError(f'checkpoint {run.checkpoint_path}: trainer step {int(step)} is not '
+                             f'at the end of epoch {run.start_epoch} ({left} evals left)')
+    return state
 
-    metrics_path = os.path.join(output_dir, 'metrics.jsonl')
+
+def _only_eval(run, phases, state, args):
+    """--only-eval: one evaluation of the saved parameters, into eval.jsonl."""
+    _, metrics = phases['evaluate'](run.hp, state)
+    metrics = {name: np.asarray(value) for name, value in jax.device_get(metrics).items()}
+    records = metric_records(run.start_epoch, metrics, run.runs)
+    write_jsonl(os.path.join(run.output_dir, 'eval.jsonl'), records)
+    if not args.quiet:
+        for name, values in metrics.items():
+            print(f'epoch {run.start_epoch} {name}: {_mean_min(values)}')
+    return metrics
+
+
+def _run_epoch(run, phases, state):
+    """Collect, train, evaluate: (state, metrics as numpy [n_runs], with timings)."""
+    n_runs = len(run.runs)
+    epoch_start = time.time()
+    state, collect_metrics = phases['collect'](run.hp, state)
+    jax.block_until_ready(state)
+    collect_s = time.time() - epoch_start
+    state, train_metrics = phases['train'](run.hp, state)
+    jax.block_until_ready(state)
+    train_s = time.time() - epoch_start - collect_s
+    state, eval_metrics = phases['evaluate'](run.hp, state)
+    metrics = {**collect_metrics, **train_metrics, **eval_metrics}
+    metrics = {name: np.asarray(value) for name, value in jax.device_get(metrics).items()}
+    new_steps = metrics.pop('rl/new_interactions')
+    metrics['rl/n_interactions_per_second'] = new_steps / max(collect_s, 1e-9)
+    metrics['timing/collect'] = np.full(n_runs, collect_s)
+    metrics['timing/train'] = np.full(n_runs, train_s)
+    metrics['timing/epoch'] = np.full(n_runs, time.time() - epoch_start)
+    metrics['timing/since_start'] = np.full(n_runs, time.time() - run.wall_start)
+    return state, metrics
+
+
+def _epoch_loop(run, phases, finite, state, args, prog):
+    """Epochs start_epoch+1 .. config.epochs: metrics, checkpoints, the NaN guard
+    and Ctrl-C. Returns the last epoch's metrics."""
+    config = run.config
     # The checkpoint decides: drop lines of epochs after it (they are redone).
-    atomic_write_bytes(metrics_path, b''.join(
-        (json.dumps(record) + '\n').encode() for record in history))
+    atomic_write_bytes(run.metrics_path, b''.join(
+        (json.dumps(record) + '\n').encode() for record in run.history))
     last = {}
     with _Interrupt() as interrupt:
-        for epoch in range(start_epoch + 1, config.epochs + 1):
+        for epoch in range(run.start_epoch + 1, config.epochs + 1):
             epoch_start = time.time()
-            state, collect_metrics = phases['collect'](hp, state)
-            jax.block_until_ready(state)
-            collect_s = time.time() - epoch_start
-            state, train_metrics = phases['train'](hp, state)
-            jax.block_until_ready(state)
-            train_s = time.time() - epoch_start - collect_s
-            state, eval_metrics = phases['evaluate'](hp, state)
-            metrics = {**collect_metrics, **train_metrics, **eval_metrics}
-            metrics = {name: np.asarray(value) for name, value in jax.device_get(metrics).items()}
-            new_steps = metrics.pop('rl/new_interactions')
-            metrics['rl/n_interactions_per_second'] = new_steps / max(collect_s, 1e-9)
-            metrics['timing/collect'] = np.full(len(runs), collect_s)
-            metrics['timing/train'] = np.full(len(runs), train_s)
-            metrics['timing/epoch'] = np.full(len(runs), time.time() - epoch_start)
-            metrics['timing/since_start'] = np.full(len(runs), time.time() - wall_start)
+            state, metrics = _run_epoch(run, phases, state)
             bad = [name for name, values in metrics.items()
                    if name.startswith('metrics/') and not np.all(np.isfinite(values))]
             if bad or not bool(finite(state.params)):
                 what = ', '.join(bad) if bad else 'network parameters'
                 _fail(prog, f'non-finite {what} in epoch {epoch}; stopped, the checkpoint '
-                            f'of epoch {epoch - 1} in {output_dir} is kept', status=1)
-            records = metric_records(epoch, metrics, runs)
-            history.extend(records)
+                            f'of epoch {epoch - 1} in {run.output_dir} is kept', status=1)
+            records = metric_records(epoch, metrics, run.runs)
+            run.history.extend(records)
             # Metrics first, then the checkpoint: a crash between the two leaves
             # lines of an epoch the resumed run recomputes identically.
-            write_jsonl(metrics_path, records)
+            write_jsonl(run.metrics_path, records)
             if epoch % config.checkpoint_every == 0 or epoch == config.epochs \
                     or interrupt.requested:
-                save_checkpoint(checkpoint_path, state, {'config': run_config, 'epoch': epoch},
-                                previous=previous_path)
+                save_checkpoint(run.checkpoint_path, state,
+                                {'config': run.run_config, 'epoch': epoch},
+                                previous=run.previous_path)
             last = metrics
             if not args.quiet:
                 print(epoch_line(epoch, metrics, time.time() - epoch_start), flush=True)
             if interrupt.requested:
                 print(f'interrupted after epoch {epoch}; rerun with --output-dir '
-                      f'{output_dir} to resume', file=sys.stderr)
+                      f'{run.output_dir} to resume', file=sys.stderr)
                 sys.exit(130)
+    return last
 
-    summary = _summary(agent, config, runs, history, wall_start, compile_s,
-                       getattr(args, 'batch_invariant', True))
-    atomic_write_bytes(os.path.join(output_dir, 'summary.json'),
+
+def _finish(run, args):
+    """summary.json, the optional plot and the final line."""
+    summary = _summary(run.agent, run.config, run.runs, run.history, run.wall_start,
+                       run.compile_s, getattr(args, 'batch_invariant', True))
+    atomic_write_bytes(os.path.join(run.output_dir, 'summary.json'),
                        json.dumps(summary, indent=2).encode())
     if args.plot:
-        plot_learning_curves(history, agent, config.env, os.path.join(output_dir, 'learning_curve.png'))
+        plot_learning_curves(run.history, run.agent, run.config.env,
+                             os.path.join(run.output_dir, 'learning_curve.png'))
     if not args.quiet:
         finals = summary['final_eval_return']
-        print(f'done: {len(runs)} run(s), final greedy return {_mean_min(finals)}, '
-              f'wall {summary["wall_s"]:.1f}s (compile {compile_s:.1f}s), '
-              f'results in {output_dir}')
-    return last
+        print(f'done: {len(run.runs)} run(s), final greedy return {_mean_min(finals)}, '
+              f'wall {summary["wall_s"]:.1f}s (compile {run.compile_s:.1f}s), '
+              f'results in {run.output_dir}')
 
 
 def eval_key(temperature, steps):

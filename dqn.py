@@ -32,56 +32,57 @@ import common
 @dataclasses.dataclass(frozen=True)
 class Config:
     env: str = common.option('CartPole-v1', 'gymnax env with a Discrete action space')
-    epochs: int = common.option(50, 'total epochs of collect -> train -> evaluate')
-    n_envs: int = common.option(16, 'parallel envs per run (n_interactions mode)')
+    epochs: int = common.option(50, 'total epochs of collect -> train -> evaluate', bounds='[1, inf)')
+    n_envs: int = common.option(16, 'parallel envs per run (n_interactions mode)', bounds='[1, inf)')
     n_interactions_per_epoch: Optional[int] = common.option(
-        512, 'env steps collected per epoch and run; episodes carry over epochs')
+        512, 'env steps collected per epoch and run; episodes carry over epochs', bounds='[1, inf)')
     n_trajectories_per_epoch: Optional[int] = common.option(
-        None, 'instead: this many complete fresh episodes per epoch (set the other to none)')
-    max_steps: Optional[int] = common.option(None, 'episode cap (default: the env\'s limit)')
+        None, 'instead: this many complete fresh episodes per epoch (set the other to none)', bounds='[1, inf)')
+    max_steps: Optional[int] = common.option(None, 'episode cap (default: the env\'s limit)', bounds='[1, inf)')
     train_steps_per_epoch: int = common.option(
-        128, 'gradient steps per epoch (Trax value_train_steps_per_epoch: 500)')
-    evals_per_epoch: int = common.option(1, 'trainer metric chunks per epoch (reporting only)')
-    batch_size: int = common.option(128, 'transitions per gradient step (Trax value_batch_size: 64)')
+        128, 'gradient steps per epoch (Trax value_train_steps_per_epoch: 500)', bounds='[1, inf)')
+    evals_per_epoch: int = common.option(1, 'trainer metric chunks per epoch (reporting only)', bounds='[1, inf)')
+    batch_size: int = common.option(128, 'transitions per gradient step (Trax value_batch_size: 64)', bounds='[1, inf)')
     lr: float = common.option(
-        1e-2, 'Adam learning rate, the schedule\'s constant (Trax: 0.1 * multifactor)', sweep=True)
+        1e-2, 'Adam learning rate, the schedule\'s constant (Trax: 0.1 * multifactor)', sweep=True, bounds='(0, inf)')
     lr_schedule: str = common.option(
         'constant * linear_decay',
         'multifactor factors: constant, linear_warmup, rsqrt_decay, decay_every, '
         'linear_decay (to 0 at the last step); Trax: constant * linear_warmup * rsqrt_decay')
-    warmup_steps: int = common.option(400, 'linear_warmup / rsqrt_decay steps')
+    warmup_steps: int = common.option(400, 'linear_warmup / rsqrt_decay steps', bounds='[1, inf)')
     lr_decay_epochs: Optional[int] = common.option(
         None, 'linear_decay reaches 0 after this many epochs (default: --epochs); keep '
-        'it when resuming with a larger --epochs so the schedule does not change')
-    gamma: float = common.option(0.99, 'discount factor in (0, 1]', sweep=True)
+        'it when resuming with a larger --epochs so the schedule does not change', bounds='[1, inf)')
+    gamma: float = common.option(0.99, 'discount factor in (0, 1]', sweep=True, bounds='(0, 1]')
     max_slice_length: int = common.option(
-        4, 'Trax slice length L >= 2: targets are (L-1)-step returns (Trax: 1, broken)')
+        4, 'Trax slice length L >= 2: targets are (L-1)-step returns (Trax: 1, broken)', bounds='[2, inf)')
     double_dqn: bool = common.option(True, 'pick a* by the online net (Trax default: off)')
     smoothl1loss: bool = common.option(True, 'Huber (delta 1) loss; off: L2')
     scale_value_targets: bool = common.option(
         True, 'the net predicts Q * (1 - gamma) (Trax\'s target scaling)')
     sync_freq: int = common.option(
-        25, 'gradient steps between target-net syncs (Trax: 1000)', sweep=True)
+        25, 'gradient steps between target-net syncs (Trax: 1000)', sweep=True, bounds='[1, inf)')
     n_replay_epochs: int = common.option(
-        50, 'replay holds the transitions of this many last epochs (Trax: 1)')
-    exploration_constant: float = common.option(1.0, 'epsilon at epoch 0', sweep=True)
+        50, 'replay holds the transitions of this many last epochs (Trax: 1)', bounds='[1, inf)')
+    exploration_constant: float = common.option(1.0, 'epsilon at epoch 0', sweep=True, bounds='[0, 1]')
     exploration_decay_factor: float = common.option(
-        0.9, 'epsilon *= this every steps_per_decay epochs (Trax: 0.99)', sweep=True)
-    exploration_steps_per_decay: int = common.option(1, 'epochs per epsilon decay')
+        0.9, 'epsilon *= this every steps_per_decay epochs (Trax: 0.99)', sweep=True, bounds='(0, 1]')
+    exploration_steps_per_decay: int = common.option(1, 'epochs per epsilon decay', bounds='[1, inf)')
     exploration_minimum: float = common.option(
-        0.01, 'epsilon floor (Trax: 0.1)', sweep=True)
+        0.01, 'epsilon floor (Trax: 0.1)', sweep=True, bounds='[0, 1]')
     torso: str = common.option(
         'auto', 'Q-network torso: mlp, conv (3x3 convs, ReLU, flatten) or auto (conv for '
-        '[height, width, channels] observations, mlp otherwise)')
+        '[height, width, channels] observations, mlp otherwise)', choices=common.TORSOS)
     conv_channels: tuple[int, ...] = common.option(
-        (16,), 'conv torso: channels of each 3x3 stride-1 conv (MinAtar paper: 16)')
-    hidden_sizes: tuple[int, ...] = common.option((64, 64), 'Q-network hidden layer sizes')
-    n_eval_episodes: int = common.option(32, 'episodes per evaluation (0: no evaluation)')
+        (16,), 'conv torso: channels of each 3x3 stride-1 conv (MinAtar paper: 16)',
+        bounds='[1, inf)')
+    hidden_sizes: tuple[int, ...] = common.option((64, 64), 'Q-network hidden layer sizes', bounds='[1, inf)')
+    n_eval_episodes: int = common.option(32, 'episodes per evaluation (0: no evaluation)', bounds='[0, inf)')
     eval_steps: Optional[tuple[int, ...]] = common.option(
-        None, 'evaluation horizons, e.g. 200,500 (default: max_steps)')
+        None, 'evaluation horizons, e.g. 200,500 (default: max_steps)', bounds='[1, inf)')
     eval_temperatures: tuple[float, ...] = common.option(
-        (0.0,), 'evaluation temperatures: 0 greedy, 1 epsilon-greedy, else softmax(Q/T)')
-    checkpoint_every: int = common.option(1, 'epochs between checkpoints (and the last)')
+        (0.0,), 'evaluation temperatures: 0 greedy, 1 epsilon-greedy, else softmax(Q/T)', bounds='[0, inf)')
+    checkpoint_every: int = common.option(1, 'epochs between checkpoints (and the last)', bounds='[1, inf)')
 
 
 # MinAtar (10x10xC grids, the conv torso by --torso auto): the MinAtar paper's
@@ -187,7 +188,7 @@ def n_step_transitions(reward, terminated, done, next_obs, gamma, n):
     bootstrap_obs = next_obs
     bootstrap_terminated = terminated
     window_open = jnp.ones(steps, bool)
-    for i in range(n):
+    for i in range(min(n, steps)):  # past the block's end no window takes a step
         index = jnp.minimum(jnp.arange(steps) + i, steps - 1)
         take = window_open & (jnp.arange(steps) + i < steps)
         reward_sum = reward_sum + jnp.where(take, discount * reward[index], 0.0)
@@ -249,6 +250,7 @@ def make_agent(config: Config) -> common.Agent:
     else:
         n_envs = config.n_envs
         steps = config.n_interactions_per_epoch // config.n_envs
+    check_block_length(n_step, steps)
     block_size = n_envs * steps
     chunk_steps = config.train_steps_per_epoch // config.evals_per_epoch
     total_train_steps = (config.lr_decay_epochs or config.epochs) * config.train_steps_per_epoch
@@ -477,57 +479,44 @@ def make_agent(config: Config) -> common.Agent:
         return state._replace(key=key), metrics
 
     return common.Agent(name='dqn', init=init, collect=collect, train=train, evaluate=evaluate,
-                        eval_tags=eval_tags, max_steps=max_steps)
+                        eval_tags=eval_tags, max_steps=max_steps,
+                        memory_flags='--num-seeds (or the grid), --n-replay-epochs, '
+                        '--n-interactions-per-epoch, --batch-size, --train-steps-per-epoch')
 
 
 def check_config(config: Config):
-    """Reject contradictory or out-of-range settings with a one-line reason."""
+    """Each field's declared constraint, then the rules that tie fields together."""
+    common.check_fields(config)
     error = common.UsageError
     if (config.n_trajectories_per_epoch is None) == (config.n_interactions_per_epoch is None):
         raise error('exactly one of --n-trajectories-per-epoch or --n-interactions-per-epoch '
                     'must be set (the other to none)')
-    positive = ['epochs', 'n_envs', 'train_steps_per_epoch', 'evals_per_epoch', 'batch_size',
-                'n_replay_epochs', 'exploration_steps_per_decay', 'checkpoint_every',
-                'warmup_steps', 'sync_freq']
-    positive += ['lr_decay_epochs'] if config.lr_decay_epochs is not None else []
-    positive += [name for name in ('n_trajectories_per_epoch', 'n_interactions_per_epoch',
-                                   'max_steps') if getattr(config, name) is not None]
-    for name in positive:
-        if getattr(config, name) < 1:
-            raise error(f'--{name.replace("_", "-")} must be >= 1, got {getattr(config, name)}')
-    if config.n_eval_episodes < 0:
-        raise error(f'--n-eval-episodes must be >= 0, got {config.n_eval_episodes}')
     if config.n_interactions_per_epoch and config.n_interactions_per_epoch % config.n_envs:
         raise error(f'--n-interactions-per-epoch ({config.n_interactions_per_epoch}) must be a '
                     f'multiple of --n-envs ({config.n_envs})')
     if config.train_steps_per_epoch % config.evals_per_epoch:
         raise error(f'--train-steps-per-epoch ({config.train_steps_per_epoch}) must be '
                     f'divisible by --evals-per-epoch ({config.evals_per_epoch})')
-    if config.max_slice_length < 2:
-        raise error(f'--max-slice-length must be >= 2 (n-step = L - 1), got '
-                    f'{config.max_slice_length}; Trax\'s L = 1 trains on empty batches')
-    if not config.conv_channels or any(c < 1 for c in config.conv_channels):
-        raise error(f'--conv-channels needs entries >= 1, got {list(config.conv_channels)}')
-    if any(h < 1 for h in config.eval_steps or ()):
-        raise error(f'--eval-steps entries must be >= 1, got {list(config.eval_steps)}')
-    if any(t < 0 for t in config.eval_temperatures):
-        raise error(f'--eval-temperatures must be >= 0, got {list(config.eval_temperatures)}')
+    if not config.conv_channels:
+        raise error('--conv-channels needs at least one layer')
     common.multifactor(config.lr_schedule)  # validates the factor names
 
 
+def check_block_length(n_step, steps):
+    """An n-step window never reaches past its epoch's block of `steps` steps per
+    env, so a longer one would train on exactly the same targets (and unroll
+    for nothing): refuse it."""
+    if n_step > steps:
+        raise common.UsageError(
+            f'--max-slice-length must be at most {steps + 1} (an epoch\'s {steps} steps per '
+            f'env + 1; n-step windows stop at the end of the block), got {n_step + 1}')
+
+
 def check_hyperparameters(config, runs):
-    """Range checks on every value of a (possibly swept) hyperparameter."""
+    """Cross-field rules on every value of a (possibly swept) hyperparameter."""
     for run in runs:
-        if not 0 < run['gamma'] <= 1:
-            raise common.UsageError(f'--gamma must be in (0, 1], got {run["gamma"]}')
         if run['gamma'] == 1 and config.scale_value_targets:
             raise common.UsageError('--gamma 1 needs --no-scale-value-targets (scale 1/(1-gamma))')
-        if run['lr'] <= 0:
-            raise common.UsageError(f'--lr must be > 0, got {run["lr"]}')
-        if run['sync_freq'] < 1 or run['sync_freq'] != int(run['sync_freq']):
-            raise common.UsageError(f'--sync-freq must be a positive integer, got {run["sync_freq"]}')
-        if not 0 <= run['exploration_minimum'] <= 1 or run['exploration_constant'] < 0:
-            raise common.UsageError('exploration rates must lie in [0, 1]')
 
 
 def main(argv=None):

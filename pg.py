@@ -48,48 +48,48 @@ import common
 @dataclasses.dataclass(frozen=True)
 class Config:
     env: str = common.option('CartPole-v1', 'gymnax env (Discrete or Box action space)')
-    epochs: int = common.option(40, 'total epochs of collect -> train -> evaluate')
-    n_envs: int = common.option(16, 'parallel envs per run (n_interactions mode)')
+    epochs: int = common.option(40, 'total epochs of collect -> train -> evaluate', bounds='[1, inf)')
+    n_envs: int = common.option(16, 'parallel envs per run (n_interactions mode)', bounds='[1, inf)')
     n_interactions_per_epoch: Optional[int] = common.option(
         None, 'instead: env steps per epoch and run; episodes carry over epochs and an '
-        'unfinished episode\'s steps wait for the epoch in which it ends')
+        'unfinished episode\'s steps wait for the epoch in which it ends', bounds='[1, inf)')
     n_trajectories_per_epoch: Optional[int] = common.option(
-        32, 'complete fresh episodes per epoch and run (Trax CartPole test: 2)')
-    max_steps: Optional[int] = common.option(None, 'episode cap (default: the env\'s limit)')
+        32, 'complete fresh episodes per epoch and run (Trax CartPole test: 2)', bounds='[1, inf)')
+    max_steps: Optional[int] = common.option(None, 'episode cap (default: the env\'s limit)', bounds='[1, inf)')
     train_steps_per_epoch: int = common.option(
-        1, 'gradient steps per epoch on this epoch\'s data (Trax: 1)')
-    evals_per_epoch: int = common.option(1, 'trainer metric chunks per epoch (reporting only)')
+        1, 'gradient steps per epoch on this epoch\'s data (Trax: 1)', bounds='[1, inf)')
+    evals_per_epoch: int = common.option(1, 'trainer metric chunks per epoch (reporting only)', bounds='[1, inf)')
     batch_size: int = common.option(
         0, '0: every collected step is the batch; B > 0: Trax\'s B length-1 slices per '
-        'step, each from a uniform trajectory, then a uniform step in it (Trax: 64)')
-    lr: float = common.option(1e-2, 'Adam learning rate: the schedule\'s constant', sweep=True)
+        'step, each from a uniform trajectory, then a uniform step in it (Trax: 64)', bounds='[0, inf)')
+    lr: float = common.option(1e-2, 'Adam learning rate: the schedule\'s constant', sweep=True, bounds='(0, inf)')
     lr_schedule: str = common.option(
         'constant * linear_decay',
         'multifactor factors: constant, linear_warmup, rsqrt_decay, decay_every, '
         'linear_decay (to 0 at the last step); Trax: constant * linear_warmup * rsqrt_decay')
-    warmup_steps: int = common.option(400, 'linear_warmup / rsqrt_decay steps')
+    warmup_steps: int = common.option(400, 'linear_warmup / rsqrt_decay steps', bounds='[1, inf)')
     lr_decay_epochs: Optional[int] = common.option(
         None, 'linear_decay reaches 0 after this many epochs (default: --epochs); keep '
-        'it when resuming with a larger --epochs so the schedule does not change')
+        'it when resuming with a larger --epochs so the schedule does not change', bounds='[1, inf)')
     adam_b1: float = common.option(
         0.0, 'Adam first-moment decay (Trax: 0.9); 0: no momentum carried across epochs, '
-        'each of which brings a fresh on-policy gradient', sweep=True)
-    adam_b2: float = common.option(0.99, 'Adam second-moment decay (Trax: 0.999)', sweep=True)
-    gamma: float = common.option(0.995, 'discount factor in (0, 1] (Trax: 0.99)', sweep=True)
+        'each of which brings a fresh on-policy gradient', sweep=True, bounds='[0, 1)')
+    adam_b2: float = common.option(0.99, 'Adam second-moment decay (Trax: 0.999)', sweep=True, bounds='[0, 1)')
+    gamma: float = common.option(0.995, 'discount factor in (0, 1] (Trax: 0.99)', sweep=True, bounds='(0, 1]')
     normalize_advantages: bool = common.option(
         True, 'A <- (A - mean A) / (std A + 1e-5) over the batch (Trax: on)')
     entropy_coefficient: float = common.option(
-        0.0, 'loss -= this * mean policy entropy (Trax: none, i.e. 0)', sweep=True)
-    hidden_sizes: tuple[int, ...] = common.option((64, 64), 'policy MLP hidden layer sizes')
+        0.0, 'loss -= this * mean policy entropy (Trax: none, i.e. 0)', sweep=True, bounds='[0, inf)')
+    hidden_sizes: tuple[int, ...] = common.option((64, 64), 'policy MLP hidden layer sizes', bounds='[1, inf)')
     init_log_std: float = common.option(
         0.0, 'Box actions: initial log std, in units of half the Box\'s width', sweep=True)
-    n_eval_episodes: int = common.option(32, 'episodes per evaluation (0: no evaluation)')
+    n_eval_episodes: int = common.option(32, 'episodes per evaluation (0: no evaluation)', bounds='[0, inf)')
     eval_steps: Optional[tuple[int, ...]] = common.option(
-        None, 'evaluation horizons, e.g. 200,500 (default: max_steps)')
+        None, 'evaluation horizons, e.g. 200,500 (default: max_steps)', bounds='[1, inf)')
     eval_temperatures: tuple[float, ...] = common.option(
         (0.0,), 'evaluation temperatures: 0 argmax / Gaussian mean, T samples logits / T '
-        'or std * T')
-    checkpoint_every: int = common.option(1, 'epochs between checkpoints (and the last)')
+        'or std * T', bounds='[0, inf)')
+    checkpoint_every: int = common.option(1, 'epochs between checkpoints (and the last)', bounds='[1, inf)')
 
 
 class Batch(NamedTuple):
@@ -548,57 +548,29 @@ def make_agent(config: Config) -> common.Agent:
         return state._replace(key=key), metrics
 
     return common.Agent(name='pg', init=init, collect=collect, train=train, evaluate=evaluate,
-                        eval_tags=eval_tags, max_steps=max_steps)
+                        eval_tags=eval_tags, max_steps=max_steps,
+                        memory_flags='--num-seeds (or the grid), --n-trajectories-per-epoch '
+                        'or --n-interactions-per-epoch, --max-steps, --batch-size')
 
 
 def check_config(config: Config):
-    """Reject contradictory or out-of-range settings with a one-line reason."""
+    """Each field's declared constraint, then the rules that tie fields together."""
+    common.check_fields(config)
     error = common.UsageError
     if (config.n_trajectories_per_epoch is None) == (config.n_interactions_per_epoch is None):
         raise error('exactly one of --n-trajectories-per-epoch or --n-interactions-per-epoch '
                     'must be set (the other to none)')
-    positive = ['epochs', 'n_envs', 'train_steps_per_epoch', 'evals_per_epoch',
-                'checkpoint_every', 'warmup_steps']
-    positive += [name for name in ('n_trajectories_per_epoch', 'n_interactions_per_epoch',
-                                   'max_steps', 'lr_decay_epochs')
-                 if getattr(config, name) is not None]
-    for name in positive:
-        if getattr(config, name) < 1:
-            raise error(f'--{name.replace("_", "-")} must be >= 1, got {getattr(config, name)}')
-    for name in ('batch_size', 'n_eval_episodes'):
-        if getattr(config, name) < 0:
-            raise error(f'--{name.replace("_", "-")} must be >= 0, got {getattr(config, name)}')
     if config.n_interactions_per_epoch and config.n_interactions_per_epoch % config.n_envs:
         raise error(f'--n-interactions-per-epoch ({config.n_interactions_per_epoch}) must be a '
                     f'multiple of --n-envs ({config.n_envs})')
     if config.train_steps_per_epoch % config.evals_per_epoch:
         raise error(f'--train-steps-per-epoch ({config.train_steps_per_epoch}) must be '
                     f'divisible by --evals-per-epoch ({config.evals_per_epoch})')
-    if any(h < 1 for h in config.hidden_sizes):
-        raise error(f'--hidden-sizes entries must be >= 1, got {list(config.hidden_sizes)}')
-    if any(h < 1 for h in config.eval_steps or ()):
-        raise error(f'--eval-steps entries must be >= 1, got {list(config.eval_steps)}')
-    if any(t < 0 for t in config.eval_temperatures):
-        raise error(f'--eval-temperatures must be >= 0, got {list(config.eval_temperatures)}')
     common.multifactor(config.lr_schedule)  # validates the factor names
 
 
 def check_hyperparameters(config, runs):
-    """Range checks on every value of a (possibly swept) hyperparameter."""
-    for run in runs:
-        if not 0 < run['gamma'] <= 1:
-            raise common.UsageError(f'--gamma must be in (0, 1], got {run["gamma"]}')
-        if run['lr'] <= 0:
-            raise common.UsageError(f'--lr must be > 0, got {run["lr"]}')
-        if run['entropy_coefficient'] < 0:
-            raise common.UsageError(
-                f'--entropy-coefficient must be >= 0, got {run["entropy_coefficient"]}')
-        for name in ('adam_b1', 'adam_b2'):
-            if not 0 <= run[name] < 1:
-                raise common.UsageError(f'--{name.replace("_", "-")} must be in [0, 1), '
-                                        f'got {run[name]}')
-        if not math.isfinite(run['init_log_std']):
-            raise common.UsageError(f'--init-log-std must be finite, got {run["init_log_std"]}')
+    """Cross-field rules on swept values (each value's range: common.check_fields)."""
 
 
 def main(argv=None):

@@ -8,6 +8,7 @@ make_env, the MLP, and the config-flag plumbing.
 """
 
 import dataclasses
+import math
 import os
 import re
 import subprocess
@@ -1030,3 +1031,84 @@ def test_given_flags_names_only_what_the_command_line_set():
     # A flag given at its default value is still given (an explicit choice).
     assert common.given_flags(parser, ['--gamma', '0.99']) == {'gamma'}
     assert parser.parse_args([]).lr == 1e-3  # the parser itself keeps its defaults
+
+
+# ---------------------------------------------------------------------------
+# Declared constraints (common.option's bounds / choices, common.check_fields)
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize('text,inside,outside,shown', [
+    ('[1, inf)', [1, 2, 10 ** 9], [0, -1, math.inf], '>= 1'),
+    ('(0, 1]', [1e-9, 0.5, 1.0], [0.0, 1.0000001, -1.0], 'in (0, 1]'),
+    ('[0, 1)', [0.0, 0.999], [1.0, -1e-9], 'in [0, 1)'),
+    ('[0, inf]', [0.0, math.inf], [-1.0], 'in [0, inf]'),
+    ('(0, inf)', [1e-30], [0.0, math.inf], '> 0'),
+])
+def test_bounds_membership_and_text(text, inside, outside, shown):
+    bounds = common.Bounds.parse(text)
+    assert all(value in bounds for value in inside)
+    assert not any(value in bounds for value in outside)
+    assert str(bounds) == shown
+
+
+@pytest.mark.parametrize('text', ['1, 2', '[1 2]', '[a, 2]', '{0, 1}'])
+def test_malformed_bounds_fail_when_declared(text):
+    with pytest.raises(ValueError):
+        common.option(1, 'x', bounds=text)
+
+
+@dataclasses.dataclass(frozen=True)
+class BoundedConfig:
+    count: int = common.option(4, 'a count', bounds='[1, inf)')
+    sizes: Tuple[int, ...] = common.option((8, 8), 'sizes', bounds='[1, inf)')
+    rate: float = common.option(0.5, 'a probability', sweep=True, bounds='[0, 1]')
+    scale: float = common.option(0.0, 'any finite number')
+    cap: Optional[int] = common.option(None, 'optional', bounds='[1, inf)')
+    mode: str = common.option('a', 'a mode', choices=('a', 'b'))
+    big: int = common.option(0, 'an unbounded int')
+
+
+@pytest.mark.parametrize('changes,grid,message', [
+    (dict(count=0), None, '--count must be >= 1, got 0'),
+    (dict(sizes=(8, 0)), None, '--sizes entries must be >= 1, got 8,0'),
+    (dict(rate=1.5), None, '--rate must be in [0, 1], got 1.5'),
+    ({}, {'rate': [0.5, -0.1]}, '--rate must be in [0, 1], got -0.1'),
+    (dict(scale=math.nan), None, '--scale must be a number'),
+    (dict(scale=-math.inf), None, '--scale must be finite'),
+    (dict(cap=0), None, '--cap must be >= 1'),
+    (dict(mode='c'), None, '--mode must be one of a, b'),
+    (dict(big=2 ** 31), None, '--big must be at most 2147483647'),
+])
+def test_check_fields_names_the_flag_and_the_rule(changes, grid, message):
+    config = dataclasses.replace(BoundedConfig(), **changes)
+    with pytest.raises(common.UsageError, match=re.escape(message)):
+        common.check_fields(config, grid)
+
+
+def test_check_fields_accepts_values_inside_and_unset_optionals():
+    common.check_fields(BoundedConfig())
+    common.check_fields(dataclasses.replace(BoundedConfig(), cap=3, scale=-2.5),
+                        {'rate': [0.0, 1.0]})
+
+
+@pytest.mark.parametrize('script', ['dqn', 'pg'])
+def test_help_shows_each_constraint(script, capsys):
+    module = __import__(script)
+    with pytest.raises(SystemExit):
+        module.main(['--help'])
+    out = ' '.join(capsys.readouterr().out.split())
+    for text in ('{>= 1} (default: 50)' if script == 'dqn' else '{>= 1} (default: 40)',
+                 '{in (0, 1]} [comma list = sweep]', '{> 0} [comma list = sweep]'):
+        assert text in out, text
+
+
+@pytest.mark.parametrize('script', ['dqn', 'pg'])
+def test_every_int_field_declares_its_bounds(script):
+    """Counts and sizes all state their range (floats are at least finite)."""
+    module = __import__(script)
+    kinds = common._field_kinds(module.Config)
+    for field in dataclasses.fields(module.Config):
+        kind = kinds[field.name][0]
+        if kind is int:
+            assert field.metadata.get('bounds'), field.name

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 
+import jax
 import numpy as np
 import pytest
 
@@ -241,6 +242,113 @@ def test_bad_input_is_one_line_and_writes_nothing(algo, flags, needle, cache_dir
     lines = captured.err.strip().splitlines()
     assert len(lines) == 1 and needle in lines[0], captured.err
     assert not os.path.exists(out)
+
+
+def _main_exit(algo, argv, capfd):
+    """Run a script's main in-process; (exit status, stderr lines)."""
+    import importlib
+    module = importlib.import_module(algo)
+    with pytest.raises(SystemExit) as exit_info:
+        module.main(argv)
+    return exit_info.value.code, capfd.readouterr().err.strip().splitlines()
+
+
+# The commands that once crashed, hung or traced back; each with its default
+# config and --epochs 1, as first reported. Every one is refused before compiling.
+FORMERLY_CRASHING = [
+    ('dqn', ['--hidden-sizes', '0'], '--hidden-sizes entries must be >= 1'),
+    ('dqn', ['--hidden-sizes', '-3'], '--hidden-sizes entries must be >= 1'),
+    ('pg', ['--hidden-sizes', '0'], '--hidden-sizes entries must be >= 1'),
+    ('dqn', ['--lr', 'nan'], '--lr must be a number'),
+    ('dqn', ['--lr', 'inf'], '--lr must be finite'),
+    ('pg', ['--entropy-coefficient', 'nan'], '--entropy-coefficient must be a number'),
+    ('dqn', ['--eval-temperatures', 'nan'], '--eval-temperatures entries must be a number'),
+    ('dqn', ['--exploration-decay-factor', '2'], '--exploration-decay-factor must be in (0, 1]'),
+    ('dqn', ['--max-slice-length', '100000'], '--max-slice-length must be at most 33'),
+    ('dqn', ['--num-seeds', '100000'], 'GiB'),
+    ('dqn', ['--batch-size', '100000000'], 'GiB'),
+    ('dqn', ['--train-steps-per-epoch', '1000000000'], 'GiB'),
+    ('dqn', ['--n-replay-epochs', '10000000'], 'GiB'),
+    ('pg', ['--n-trajectories-per-epoch', '100000000'], 'GiB'),
+    ('pg', ['--max-steps', '100000000'], 'GiB'),
+]
+
+
+@pytest.mark.parametrize('algo,flags,needle', FORMERLY_CRASHING,
+                         ids=[f'{a} ' + ' '.join(f) for a, f, _ in FORMERLY_CRASHING])
+def test_formerly_crashing_values_are_refused_before_compiling(algo, flags, needle, cache_dir,
+                                                               tmp_path, capfd):
+    out = str(tmp_path / 'out')
+    status, lines = _main_exit(algo, ['--quiet', '--compile-cache', cache_dir, '--epochs', '1',
+                                      '--output-dir', out, *flags], capfd)
+    assert status == 2
+    assert len(lines) == 1 and needle in lines[0], lines
+    if needle == 'GiB':  # says what needs how much, what is free, and what to lower
+        assert 'available; lower' in lines[0] and '--num-seeds' in lines[0], lines[0]
+    assert not os.path.exists(out)
+
+
+# One case per kind of declared constraint (common.option's bounds).
+CONSTRAINT_CLASSES = [
+    ('dqn', ['--epochs', '0'], '--epochs must be >= 1'),  # positive int
+    ('dqn', ['--epochs', '3000000000'], '--epochs must be at most 2147483647'),  # int32
+    ('dqn', ['--eval-steps', '10,0'], '--eval-steps entries must be >= 1'),  # tuple entries
+    ('pg', ['--init-log-std', 'inf'], '--init-log-std must be finite'),  # finite float
+    ('pg', ['--init-log-std', 'nan'], '--init-log-std must be a number'),
+    ('dqn', ['--gamma', '1.5'], '--gamma must be in (0, 1]'),  # float in a range
+    ('dqn', ['--exploration-minimum', '1.5'], '--exploration-minimum must be in [0, 1]'),
+    ('dqn', ['--exploration-constant', '-0.1'], '--exploration-constant must be in [0, 1]'),
+    ('dqn', ['--exploration-decay-factor', '0'], '--exploration-decay-factor must be in (0, 1]'),
+    ('pg', ['--eval-temperatures', '-1'], '--eval-temperatures entries must be >= 0'),
+    ('pg', ['--adam-b1', '1'], '--adam-b1 must be in [0, 1)'),
+    ('pg', ['--batch-size', '-1'], '--batch-size must be >= 0'),
+    ('dqn', ['--lr', '1e-3,nan'], '--lr must be a number'),  # every value of a sweep
+    ('pg', ['--gamma', '0.9,0'], '--gamma must be in (0, 1]'),
+    ('dqn', ['--num-seeds', '0'], '--num-seeds must be >= 1'),  # run flags
+    ('pg', ['--seed', '-1'], '--seed must be in [0,'),
+]
+
+
+@pytest.mark.parametrize('algo,flags,needle', CONSTRAINT_CLASSES,
+                         ids=[f'{a} ' + ' '.join(f) for a, f, _ in CONSTRAINT_CLASSES])
+def test_each_constraint_class_is_one_line_status_2(algo, flags, needle, cache_dir, tmp_path,
+                                                    capfd):
+    out = str(tmp_path / 'out')
+    status, lines = _main_exit(algo, ['--quiet', '--compile-cache', cache_dir, *SMALL[algo],
+                                      '--epochs', '2', '--output-dir', out, *flags], capfd)
+    assert status == 2
+    assert len(lines) == 1 and needle in lines[0], lines
+    assert not os.path.exists(out)
+
+
+@pytest.mark.parametrize('algo', ALGOS)
+def test_out_of_memory_from_xla_is_one_line_status_1_and_keeps_the_checkpoint(
+        algo, reference_runs, cache_dir, tmp_path, capfd, monkeypatch):
+    """The backstop behind check_memory: XLA's RESOURCE_EXHAUSTED (here raised
+    when the train phase of a resumed run is traced) ends in one line."""
+    import importlib
+    import shutil
+    module = importlib.import_module(algo)
+    out = str(tmp_path / 'run')
+    shutil.copytree(reference_runs[algo], out)
+    before = open(os.path.join(out, 'checkpoint.npz'), 'rb').read()
+    make_agent = module.make_agent
+
+    def exhausted(hp, state):
+        raise jax.errors.JaxRuntimeError(
+            'RESOURCE_EXHAUSTED: Out of memory allocating 123456789 bytes.\nmore detail')
+
+    def make_failing_agent(config):
+        agent = make_agent(config)
+        agent.train = exhausted
+        return agent
+    monkeypatch.setattr(module, 'make_agent', make_failing_agent)
+    status, lines = _main_exit(algo, ['--quiet', '--compile-cache', cache_dir, *SMALL[algo],
+                                      '--epochs', '6', '--seed', '3', '--output-dir', out], capfd)
+    assert status == 1
+    assert len(lines) == 1 and 'out of memory: RESOURCE_EXHAUSTED' in lines[0], lines
+    assert 'checkpoint' in lines[0]
+    assert open(os.path.join(out, 'checkpoint.npz'), 'rb').read() == before
 
 
 def test_dqn_refuses_continuous_actions(cache_dir, tmp_path):
