@@ -53,7 +53,7 @@ NOTES = {
                       'size 8 uniform moves still find it once in 256 episodes, so some '
                       'seeds learn it, at bsuite\'s larger sizes (2^-N) none would',
     'UmbrellaChain-bsuite': 'every step but the last adds a +-1 distractor reward, so one '
-                            'episode\'s return has std 3: evaluated on 16384 episodes',
+                            'episode\'s return has std 3: evaluated on 8192 episodes',
 }
 
 
