@@ -92,7 +92,10 @@ class Config:
 # slow the decay (README, "Beyond CartPole").
 MINATAR = {'hidden_sizes': (128,), 'batch_size': 64, 'lr': 1e-3, 'sync_freq': 250,
            'n_replay_epochs': 100, 'epochs': 60, 'exploration_decay_factor': 0.95,
-           'exploration_minimum': 0.05}
+           'exploration_minimum': 0.05,
+           # Greedy evaluation runs every epoch; 8 episodes of up to 1000 steps
+           # (Freeway: always 2500) keep it from costing more than the training.
+           'n_eval_episodes': 8}
 
 # Per-env settings: the fields that differ from the generic defaults above (the
 # CartPole-v1 ones), used when --env names the env and the flag is not given

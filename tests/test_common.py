@@ -1,10 +1,10 @@
 """Contract tests for common.py (rlax style).
 
 Every advantage estimator is checked against a plain-numpy loop reference
-written here straight from SPEC section 3 (no code from common.py is used in
+written here straight from the formulas (no code from common.py is used in
 the references), against the values Trax 1.4.1 computed, and under jit/vmap.
-Then remaining_evals (SPEC section 2), checkpoints (SPEC section 6), schedules,
-make_env, the MLP, and the config-flag plumbing.
+Then remaining_evals, checkpoints, schedules, make_env, the MLP and conv
+torso, and the config-flag plumbing.
 """
 
 import dataclasses
@@ -33,7 +33,7 @@ RTOL, ATOL = 1e-5, 1e-5
 
 
 # ---------------------------------------------------------------------------
-# Plain-numpy loop references, from the SPEC formulas (float64, element by element).
+# Plain-numpy loop references, from the formulas (float64, element by element).
 # ---------------------------------------------------------------------------
 
 
@@ -254,7 +254,7 @@ def test_references_agree_with_each_other():
 
 
 # ---------------------------------------------------------------------------
-# 2. Values computed by Trax 1.4.1 and the SPEC's extra examples.
+# 2. Values computed by Trax 1.4.1 and extra hand-worked examples.
 # ---------------------------------------------------------------------------
 
 TRAX_TABLE = [
@@ -393,7 +393,7 @@ def test_discounted_returns_and_mask_discount_jit_and_vmap():
 
 
 # ---------------------------------------------------------------------------
-# 4. remaining_evals (SPEC section 2).
+# 4. remaining_evals.
 # ---------------------------------------------------------------------------
 
 

@@ -1,4 +1,4 @@
-"""Contract tests for dqn.py (SPEC sections 1 and 5).
+"""Contract tests for dqn.py (its config and the DQN algorithm).
 
 The pure pieces (n-step windows, TD targets, losses, epsilon schedule, replay
 sampling) are checked against plain-numpy loop references written here and
