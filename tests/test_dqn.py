@@ -799,20 +799,22 @@ def test_env_settings_apply_flags_override_and_config_records(monkeypatch, tmp_p
             '--train-steps-per-epoch', '2', '--batch-size', '4', '--eval-steps', '8',
             '--compile-cache', 'none']
     out = tmp_path / 'run'
-    # --sync-freq and --n-eval-episodes typed: they win over the settings.
-    dqn.main([*tiny, '--sync-freq', '25', '--n-eval-episodes', '2', '--output-dir', str(out)])
+    # --sync-freq and --n-eval-episodes typed: they win over the settings (and
+    # no evaluation keeps this test's compile short).
+    dqn.main([*tiny, '--sync-freq', '25', '--n-eval-episodes', '0', '--output-dir', str(out)])
     printed = capsys.readouterr().out.splitlines()[0]
     assert printed.startswith('dqn.py: settings for CartPole-v1: ')
     assert '--lr 0.003 --gamma 0.9 --hidden-sizes 8,4' in printed
     assert 'sync-freq' not in printed and 'n-eval-episodes' not in printed
     config = json.loads((out / 'config.json').read_text())
     assert config['lr'] == 3e-3 and config['gamma'] == 0.9 and config['hidden_sizes'] == [8, 4]
-    assert config['sync_freq'] == 25 and config['n_eval_episodes'] == 2  # the flags
+    assert config['sync_freq'] == 25 and config['n_eval_episodes'] == 0  # the flags
     assert config['epochs'] == 1 and config['lr_decay_epochs'] == 1
     assert config['max_slice_length'] == dqn.Config.max_slice_length  # untouched default
     # A sweep given on the command line wins over a setting of that field too.
     grid_out = tmp_path / 'grid'
-    dqn.main([*tiny, '--quiet', '--lr', '1e-2,1e-3', '--output-dir', str(grid_out)])
+    dqn.main([*tiny, '--quiet', '--n-eval-episodes', '0', '--lr', '1e-2,1e-3',
+              '--output-dir', str(grid_out)])
     config = json.loads((grid_out / 'config.json').read_text())
     assert config['grid'] == {'lr': [1e-2, 1e-3]} and config['gamma'] == 0.9
     assert capsys.readouterr().out == ''  # --quiet: no settings line either
