@@ -7,10 +7,14 @@ Importing it compiles nothing.
 """
 
 import argparse
+import contextlib
 import copy
 import dataclasses
 import datetime
+import fcntl
+import glob
 import importlib
+import importlib.util
 import io
 import itertools
 import json
@@ -23,6 +27,7 @@ import types
 import typing
 import zipfile
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -31,16 +36,40 @@ import numpy as np
 # Advantage estimators: trax/rl/advantages.py, same signatures and numerics,
 # rewritten with jnp/lax so they jit and vmap (Trax wrote into numpy arrays).
 # Every array is [batch, length]; a result is [batch, length - margin].
+# Inputs are checked with chex, as rlax does, while tracing: free at run time.
 # ---------------------------------------------------------------------------
 
 
+def check_args(assertion, function, expected, **arrays):
+    """chex `assertion(array, expected)` on each keyword array; its message names
+    the argument that fails (chex's own numbers each call's inputs from 0)."""
+    for name, array in arrays.items():
+        assertion(array, expected, custom_message=f'argument `{name}` of {function}')
+
+
+def _check_estimator_inputs(function, rewards, returns, values, dones, discount_mask):
+    arrays = dict(rewards=rewards, returns=returns, values=values, dones=dones,
+                  discount_mask=discount_mask)
+    check_args(chex.assert_rank, function, 2, **arrays)
+    chex.assert_equal_shape(list(arrays.values()), custom_message=f'{function}: rewards, '
+                            'returns, values, dones, discount_mask share one shape')
+
+
 def mask_discount(discount, discount_mask):
-    """Per-step discount: `discount` where the mask is set, 1 elsewhere."""
+    """Per-step discount: `discount` (a scalar) where the mask is set, 1 elsewhere;
+    elementwise, so the mask may have any shape."""
+    check_args(chex.assert_rank, 'mask_discount', 0, discount=discount)
     return jnp.where(discount_mask, discount, 1.0)
 
 
 def discounted_returns(rewards, gammas):
-    """G_t = r_t + gamma_t * G_{t+1}, summed from the end of each row."""
+    """G_t = r_t + gamma_t * G_{t+1}, summed from the end of each row; `gammas`
+    is [batch, length] or one scalar."""
+    check_args(chex.assert_rank, 'discounted_returns', 2, rewards=rewards)
+    check_args(chex.assert_rank, 'discounted_returns', {0, 2}, gammas=gammas)
+    if jnp.ndim(gammas) == 2:
+        chex.assert_equal_shape([rewards, gammas], custom_message='discounted_returns: '
+                                'rewards, gammas')
     def step(future, reward_and_gamma):
         reward, gamma = reward_and_gamma
         current = reward + gamma * future
@@ -58,6 +87,8 @@ def monte_carlo(gamma, margin):
     del gamma
 
     def estimator(rewards, returns, values, dones, discount_mask):
+        _check_estimator_inputs('monte_carlo estimator', rewards, returns, values, dones,
+                                discount_mask)
         del discount_mask
         length = returns.shape[1]
         returns = jnp.where(dones, rewards, returns)
@@ -75,6 +106,8 @@ def td_k(gamma, margin):
     k = margin
 
     def estimator(rewards, returns, values, dones, discount_mask):
+        _check_estimator_inputs('td_k estimator', rewards, returns, values, dones,
+                                discount_mask)
         del returns
         gammas = mask_discount(gamma, discount_mask)
         length = values.shape[1] - k
@@ -100,6 +133,8 @@ def _lambda_estimator_inputs(gamma, lambda_, values, dones, discount_mask):
 def td_lambda(gamma, margin, lambda_=0.95):
     """TD(lambda) return minus value, computed backwards from the last value."""
     def estimator(rewards, returns, values, dones, discount_mask):
+        _check_estimator_inputs('td_lambda estimator', rewards, returns, values, dones,
+                                discount_mask)
         gammas, lambdas, not_done = _lambda_estimator_inputs(
             gamma, lambda_, values, dones, discount_mask)
         length = returns.shape[1]
@@ -121,6 +156,8 @@ def td_lambda(gamma, margin, lambda_=0.95):
 def gae(gamma, margin, lambda_=0.95):
     """Generalised advantage estimation; the last step's advantage is 0."""
     def estimator(rewards, returns, values, dones, discount_mask):
+        _check_estimator_inputs('gae estimator', rewards, returns, values, dones,
+                                discount_mask)
         gammas, lambdas, not_done = _lambda_estimator_inputs(
             gamma, lambda_, values, dones, discount_mask)
         length = returns.shape[1]
@@ -263,6 +300,11 @@ def init_mlp(key, sizes, last_scale=1.0):
 
 def mlp(params, x):
     """Apply an MLP made by init_mlp; ReLU between layers, linear output."""
+    check_args(chex.assert_rank, 'mlp', 2, **{f'params[{i}]["w"]': layer['w']
+                                              for i, layer in enumerate(params)})
+    check_args(chex.assert_rank, 'mlp', 1, **{f'params[{i}]["b"]': layer['b']
+                                              for i, layer in enumerate(params)})
+    check_args(chex.assert_shape, 'mlp', (..., params[0]['w'].shape[0]), x=x)
     for layer in params[:-1]:
         x = jax.nn.relu(x @ layer['w'] + layer['b'])
     return x @ params[-1]['w'] + params[-1]['b']
@@ -660,7 +702,16 @@ def build_parser(config_cls, prog, description, env_settings=None):
     run.add_argument('--device', default=None,
                      type=_flag_parser(int, False, True, False, '--device'),
                      help='run on this one device index (default: shard runs over all)')
-    run.add_argument('--quiet', action='store_true', help='no per-epoch lines on stdout')
+    run.add_argument('--quiet', action='store_true',
+                     help='no per-epoch lines on stdout (each shows epoch k/N, env steps, the '
+                          'mean return of the episodes finished most recently, which may be '
+                          "an earlier epoch's where none finished in this one: metrics.jsonl "
+                          "keeps Trax's per-epoch rl/avg_return; then the evaluation returns, "
+                          'losses, the epoch time and an estimate of the time left)')
+    run.add_argument('--tensorboard', default=True, action=argparse.BooleanOptionalAction,
+                     help='TensorBoard event files under <output-dir>/tb/<run>, one dir per '
+                          'seed and grid point: every metric of metrics.jsonl at step = '
+                          'epoch, and the config as text')
     run.add_argument('--batch-invariant', default=True, action=argparse.BooleanOptionalAction,
                      help='CPU: bitwise the same numbers for a run alone, in a grid or sharded '
                           '(XLA without its algebraic simplifier and YNNPACK fusions other '
@@ -722,6 +773,57 @@ def apply_env_settings(config_cls, args, table):
             setattr(args, name, value)
             applied[name] = value
     return applied
+
+
+RUN_FIELDS = ('seed', 'num_seeds')  # run flags a saved run's config records
+
+
+def saved_run_config(output_dir):
+    """The config a run in output_dir was saved with (its checkpoint's, or the
+    previous checkpoint's when a save was cut between its renames); None when
+    there is no readable one (a broken checkpoint is reported when resuming)."""
+    if not output_dir:
+        return None
+    for name in ('checkpoint.npz', 'checkpoint.prev.npz'):
+        path = os.path.join(output_dir, name)
+        if os.path.isfile(path):
+            try:
+                return read_checkpoint_metadata(path)['config']
+            except (ValueError, KeyError, TypeError):
+                continue  # gone (a save's rename) or broken: try the previous one
+    return None
+
+
+def take_saved_config(config_cls, args, saved):
+    """Resume: every config field and run flag not given on the command line
+    (args.given) takes the saved run's value, its grid included.
+
+    A saved config of another algorithm or version (other fields) is left
+    alone: resuming refuses it, naming the fields that differ.
+    """
+    fields = {field.name: field for field in dataclasses.fields(config_cls)}
+    if set(saved) - {'algorithm', 'grid', *RUN_FIELDS} != set(fields):
+        return
+    hints = typing.get_type_hints(config_cls)
+    grid = saved.get('grid') or {}
+    for name in [*fields, *RUN_FIELDS]:
+        if name in args.given or name not in saved:
+            continue
+        value = grid.get(name, saved[name])
+        if name in fields and value is not None and _base_type(hints[name])[1]:
+            value = tuple(value)  # JSON keeps tuples as lists
+        setattr(args, name, list(value) if name in grid else value)
+    horizon = saved.get('lr_decay_epochs')
+    if ('lr_decay_epochs' not in args.given and not args.only_eval and horizon is not None
+            and 'linear_decay' in str(args.lr_schedule) and args.epochs > horizon):
+        raise UsageError(pinned_schedule_message(args.output_dir, horizon))
+
+
+def pinned_schedule_message(output_dir, horizon):
+    return (f'{output_dir} holds a run whose learning rate decays to 0 over {horizon} '
+            f'epochs; to extend it add --lr-decay-epochs {horizon} (its schedule, lr 0 from '
+            'then on) or start a new run with a larger --lr-decay-epochs or --lr-schedule '
+            'constant')
 
 
 def config_and_grid(config_cls, args):
@@ -888,6 +990,73 @@ def write_jsonl(path, records, mode='a'):
         os.fsync(f.fileno())
 
 
+def run_names(runs, grid):
+    """One TensorBoard run name per run: its grid values and seed, e.g.
+    'lr=0.01,gamma=0.99,seed=3' (',run=i' added where two would coincide)."""
+    names = [','.join([f'{name}={format(run[name], "g")}' for name in grid]
+                      + [f'seed={run["seed"]}']) for run in runs]
+    return [f'{name},run={index}' if names.count(name) > 1 else name
+            for index, name in enumerate(names)]
+
+
+def config_markdown(config):
+    """The config as a markdown table, TensorBoard's text dashboard renders it."""
+    rows = [f'| {name} | {json.dumps(value)} |' for name, value in config.items()]
+    return '\n'.join(['| field | value |', '|---|---|', *rows])
+
+
+class Summaries:
+    """TensorBoard event files (tensorboardX, no TensorFlow), one directory per
+    run under <output_dir>/tb/: each metric of metrics.jsonl under its Trax tag
+    at step = epoch, and the run's config as a text summary (Trax wrote its
+    operative gin config as text).
+
+    Opening rewrites each run's events from `history` (metrics.jsonl cut at the
+    checkpoint) into a new file and only then deletes the old ones, so after a
+    resume TensorBoard shows one value per step. A no-op when not enabled.
+    """
+
+    def __init__(self, output_dir, runs, run_config, history, enabled=True):
+        self.writers, self.runs = [], runs
+        if not enabled:
+            return
+        from tensorboardX import SummaryWriter
+        grid = run_config.get('grid') or {}
+        for index, (run, name) in enumerate(zip(runs, run_names(runs, grid))):
+            directory = os.path.join(output_dir, 'tb', name)
+            old = glob.glob(os.path.join(directory, 'events.out.tfevents.*'))
+            writer = SummaryWriter(directory, flush_secs=10,  # a name no other writer had
+                                   filename_suffix=f'.{os.getpid()}.{time.time_ns()}')
+            writer.add_text('config', config_markdown({**run_config, **run}), 0)
+            self.writers.append(writer)
+            self.write([r for r in history if r['run'] == index], flush=False)
+            writer.flush()
+            for path in old:
+                os.remove(path)
+
+    def write(self, records, flush=True):
+        """Scalars of metric records (metric_records' dicts); None (non-finite) is left out."""
+        if not self.writers:
+            return
+        for record in records:
+            identity = {'epoch', 'run', *self.runs[record['run']]}
+            writer = self.writers[record['run']]
+            for tag, value in record.items():
+                if tag not in identity and value is not None:
+                    writer.add_scalar(tag, value, record['epoch'])
+        if flush:
+            for writer in self.writers:
+                writer.flush()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        for writer in self.writers:
+            writer.close()
+        return False
+
+
 def _mean_min(values):
     values = np.asarray(values, np.float64)
     finite = values[np.isfinite(values)]
@@ -898,10 +1067,31 @@ def _mean_min(values):
     return f'{finite.mean():.1f} (min {finite.min():.1f})'
 
 
-def epoch_line(epoch, metrics, seconds):
-    """One human line: returns (mean, min over runs), losses, speed."""
-    parts = [f'epoch {epoch:4d}', f'steps {int(np.max(metrics["rl/n_interactions"]))}',
-             f'return {_mean_min(metrics["rl/avg_return"])}']
+def _duration(seconds):
+    seconds = int(round(seconds))
+    if seconds >= 3600:
+        return f'{seconds // 3600}h{seconds % 3600 // 60:02d}m'
+    return f'{seconds // 60}m{seconds % 60:02d}s' if seconds >= 60 else f'{seconds}s'
+
+
+def recent_returns(history, n_runs):
+    """Per run, rl/avg_return of the last epoch in history in which some episode ended."""
+    recent = np.full(n_runs, np.nan)
+    for record in sorted(history, key=lambda r: r['epoch']):
+        if record.get('rl/avg_return') is not None:
+            recent[record['run']] = record['rl/avg_return']
+    return recent
+
+
+def epoch_line(epoch, epochs, metrics, recent_return, seconds, seconds_left):
+    """One human line: epoch k/N, returns (mean, min over runs), losses, time.
+
+    `recent_return` is per run the mean return of the episodes that finished
+    most recently (in this epoch, or the last one where any did).
+    """
+    parts = [f'epoch {epoch:{len(str(epochs))}d}/{epochs}',
+             f'steps {int(np.max(metrics["rl/n_interactions"]))}',
+             f'return {_mean_min(recent_return)}']
     for name in metrics:
         if name.startswith('rl/avg_return_temperature'):
             short = name[len('rl/avg_return_'):].replace('temperature', 'T').replace('_steps', '@')
@@ -910,6 +1100,7 @@ def epoch_line(epoch, metrics, seconds):
         if name in metrics:
             parts.append(f'{name.split("/")[1]} {float(np.nanmean(metrics[name])):.4g}')
     parts.append(f'{seconds:.2f}s')
+    parts.append(f'left {_duration(seconds_left)}')
     return ' | '.join(parts)
 
 
@@ -1036,6 +1227,37 @@ def _prepare_output_dir(path, prog):
         _fail(prog, f'--output-dir {path} is not writable')
 
 
+LOCK_FILE = 'run.lock'
+
+
+@contextlib.contextmanager
+def output_dir_lock(path):
+    """Hold an OS lock on path/run.lock (which names our pid) while the block
+    runs. The kernel drops it when the process ends however it ends, kill -9
+    included, so a lock is never stale; a second process is refused at once."""
+    fd = os.open(os.path.join(path, LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise UsageError(f'another run (pid {_lock_holder(fd)}) is writing {path}') from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f'{os.getpid()}\n'.encode(), 0)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _lock_holder(fd):
+    """The pid the lock holder wrote (it writes it right after locking)."""
+    for _ in range(20):
+        text = os.pread(fd, 32, 0).decode(errors='replace').strip()
+        if text:
+            return text
+        time.sleep(0.05)
+    return 'unknown'
+
+
 def _run_sharding(n_runs, device):
     """Sharding of the leading runs axis: one chosen device, or all of them."""
     devices = jax.devices()
@@ -1083,20 +1305,24 @@ def config_differences(saved, current):
 
 def main(config_cls, make_agent, check_hyperparameters, prog, description, argv=None,
          env_settings=None):
-    """The command line of dqn.py / pg.py: parse flags, apply the env's
-    settings, check every run's hyperparameters, then run (or resume, or only
-    evaluate) the experiment."""
+    """The command line of dqn.py / pg.py: parse flags, then fill in the flags
+    not given: from the env's settings, and on resume from the saved config
+    (defaults < env settings < saved config < flags given); check every run's
+    hyperparameters, then run (or resume, or only evaluate) the experiment."""
     parser = build_parser(config_cls, prog, description, env_settings)
     args = parser.parse_args(argv)
     args.given = given_flags(parser, argv)
     applied = apply_env_settings(config_cls, args, env_settings)
-    if applied and not args.quiet:
-        print(f'{prog}: settings for {args.env}: '
-              + ' '.join(f'--{name.replace("_", "-")} {_flag_text(value)}'
-                         for name, value in applied.items())
-              + ' (a flag on the command line overrides each)', flush=True)
-    config, grid = config_and_grid(config_cls, args)
     try:
+        saved = saved_run_config(args.output_dir)
+        if saved is not None:  # resume: what the command line leaves out is the saved run's
+            take_saved_config(config_cls, args, saved)
+        elif applied and not args.quiet:
+            print(f'{prog}: settings for {args.env}: '
+                  + ' '.join(f'--{name.replace("_", "-")} {_flag_text(value)}'
+                             for name, value in applied.items())
+                  + ' (a flag on the command line overrides each)', flush=True)
+        config, grid = config_and_grid(config_cls, args)
         check_run_flags(args)
         check_fields(config, grid)
         check_hyperparameters(config, expand_runs(config, grid, args.seed, 1))
@@ -1138,6 +1364,12 @@ def _out_of_memory(error):
 
 def _run_experiment(make_agent, config, grid, args, prog):
     run = _set_up(make_agent, config, grid, args, prog)
+    with output_dir_lock(run.output_dir):  # one writer per run dir, from here on
+        return _locked_experiment(run, args, prog)
+
+
+def _locked_experiment(run, args, prog):
+    _find_saved_run(run)
     state, phases, finite = _compile_phases(run, args)
     if run.resuming:
         state = _restore(run, state)
@@ -1182,10 +1414,13 @@ class _Run:
 
 
 def _set_up(make_agent, config, grid, args, prog):
-    """Check the flags and the output dir (and a saved run there) before compiling."""
+    """Check the flags and the output dir before compiling; write nothing."""
     wall_start = time.time()
     enable_compile_cache(getattr(args, 'compile_cache', None))
     check_run_flags(args)
+    if getattr(args, 'tensorboard', True) and importlib.util.find_spec('tensorboardX') is None:
+        raise UsageError('TensorBoard summaries need the tensorboardX package '
+                         '(pip install -r requirements.txt); or pass --no-tensorboard')
     runs = expand_runs(config, grid, args.seed, args.num_seeds)
     agent = make_agent(config)  # validates the config and the env
     hp = hyperparameters(config, runs)
@@ -1200,7 +1435,9 @@ def _set_up(make_agent, config, grid, args, prog):
         stamp = datetime.datetime.now().strftime('%Y%m%d-%H%M%S')
         output_dir = os.path.join('runs', f'{agent.name}_{config.env}_s{args.seed}_{stamp}')
     checkpoint_path = os.path.join(output_dir, 'checkpoint.npz')
-    if args.only_eval and not os.path.isfile(checkpoint_path):
+    if args.only_eval and not any(os.path.isfile(os.path.join(output_dir, name))
+                                  for name in ('checkpoint.npz', 'checkpoint.prev.npz')):
+        # (checkpoint.npz alone is briefly absent while a running writer saves)
         raise UsageError(f'--only-eval: no checkpoint at {checkpoint_path}')
     _prepare_output_dir(output_dir, prog)
 
@@ -1209,16 +1446,20 @@ def _set_up(make_agent, config, grid, args, prog):
     run_config = json.loads(json.dumps(run_config))  # tuples -> lists, as saved
     # Each run's key is PRNGKey(its seed), built in one call (not one per run).
     keys = jax.vmap(jax.random.PRNGKey)(jnp.asarray([run['seed'] for run in runs], jnp.int32))
-    run = _Run(agent=agent, config=config, runs=runs, hp=jax.device_put(hp, sharding),
-               keys=jax.device_put(keys, sharding), sharding=sharding, output_dir=output_dir,
-               run_config=run_config, resuming=False, wall_start=wall_start)
-    if not os.path.exists(checkpoint_path) and os.path.exists(run.previous_path):
+    return _Run(agent=agent, config=config, runs=runs, hp=jax.device_put(hp, sharding),
+                keys=jax.device_put(keys, sharding), sharding=sharding, output_dir=output_dir,
+                run_config=run_config, resuming=False, wall_start=wall_start)
+
+
+def _find_saved_run(run):
+    """Is there a run to resume? Refuse a broken checkpoint or another config
+    before compiling."""
+    if not os.path.exists(run.checkpoint_path) and os.path.exists(run.previous_path):
         # A crash between the two renames of a save: the previous one is whole.
-        os.replace(run.previous_path, checkpoint_path)
-    run.resuming = os.path.exists(checkpoint_path)
-    if run.resuming:  # refuse a broken checkpoint or another config before compiling
+        os.replace(run.previous_path, run.checkpoint_path)
+    run.resuming = os.path.exists(run.checkpoint_path)
+    if run.resuming:
         _check_saved_config(run)
-    return run
 
 
 def _check_saved_config(run):
@@ -1232,12 +1473,8 @@ def _check_saved_config(run):
         raise ValueError(f'{error}{hint}') from None
     differing = config_differences(saved['config'], run.run_config)
     if differing == ['lr_decay_epochs']:  # --epochs grew; the schedule is pinned
-        raise UsageError(
-            f'{run.output_dir} holds a run whose learning rate decays to 0 over '
-            f'{saved["config"]["lr_decay_epochs"]} epochs; to extend it add '
-            f'--lr-decay-epochs {saved["config"]["lr_decay_epochs"]} (its schedule, '
-            'lr 0 from then on) or start a new run with a larger --lr-decay-epochs '
-            'or --lr-schedule constant')
+        raise UsageError(pinned_schedule_message(run.output_dir,
+                                                 saved['config']['lr_decay_epochs']))
     if differing:
         raise UsageError(
             f'{run.output_dir} holds a run with a different config; differing: '
@@ -1333,7 +1570,10 @@ def _epoch_loop(run, phases, finite, state, args, prog):
     atomic_write_bytes(run.metrics_path, b''.join(
         (json.dumps(record) + '\n').encode() for record in run.history))
     last = {}
-    with _Interrupt() as interrupt:
+    progress = _Progress(run)
+    with _Interrupt() as interrupt, \
+            Summaries(run.output_dir, run.runs, run.run_config, run.history,
+                      enabled=getattr(args, 'tensorboard', True)) as summaries:
         for epoch in range(run.start_epoch + 1, config.epochs + 1):
             epoch_start = time.time()
             state, metrics = _run_epoch(run, phases, state)
@@ -1348,19 +1588,36 @@ def _epoch_loop(run, phases, finite, state, args, prog):
             # Metrics first, then the checkpoint: a crash between the two leaves
             # lines of an epoch the resumed run recomputes identically.
             write_jsonl(run.metrics_path, records)
+            summaries.write(records)
             if epoch % config.checkpoint_every == 0 or epoch == config.epochs \
                     or interrupt.requested:
                 save_checkpoint(run.checkpoint_path, state,
                                 {'config': run.run_config, 'epoch': epoch},
                                 previous=run.previous_path)
             last = metrics
+            line = progress.line(epoch, metrics, time.time() - epoch_start)
             if not args.quiet:
-                print(epoch_line(epoch, metrics, time.time() - epoch_start), flush=True)
+                print(line, flush=True)
             if interrupt.requested:
                 print(f'interrupted after epoch {epoch}; rerun with --output-dir '
                       f'{run.output_dir} to resume', file=sys.stderr)
                 sys.exit(130)
     return last
+
+
+class _Progress:
+    """The per-epoch line's state: each run's most recent return, the time left."""
+
+    def __init__(self, run):
+        self.recent = recent_returns(run.history, len(run.runs))
+        self.first, self.epochs, self.start = run.start_epoch, run.config.epochs, time.time()
+
+    def line(self, epoch, metrics, seconds):
+        returns = metrics['rl/avg_return']
+        self.recent = np.where(np.isfinite(returns), returns, self.recent)
+        per_epoch = (time.time() - self.start) / (epoch - self.first)
+        return epoch_line(epoch, self.epochs, metrics, self.recent, seconds,
+                          per_epoch * (self.epochs - epoch))
 
 
 def _finish(run, args):

@@ -6,11 +6,11 @@ pure function of the state pytree, and so is the whole epoch (`agent.epoch`),
 vmapped over runs (seeds x hyperparameter grid) and compiled once; Python only
 loops over epochs.
 
-Fixed relative to Trax: terminal and truncated transitions are
-regression targets; n-step sums stop at termination; time-limit truncation
-bootstraps from the true final observation instead of being treated as a
-terminal; `n_replay_epochs` really keeps that many epochs; the target network
-is synced exactly every `sync_freq` gradient steps.
+Fixed relative to Trax (docs/trax.md, section 6): terminal and truncated
+transitions are regression targets; n-step sums stop at termination;
+time-limit truncation bootstraps from the true final observation instead of
+being treated as a terminal; `n_replay_epochs` really keeps that many epochs;
+the target network is synced exactly every `sync_freq` gradient steps.
 
     python dqn.py --seed 0                 # CartPole-v1, greedy return 500
     python dqn.py --num-seeds 8            # 8 seeds in one vmapped program
@@ -22,6 +22,7 @@ import functools
 import sys
 from typing import NamedTuple, Optional
 
+import chex
 import jax
 import jax.numpy as jnp
 import optax
@@ -185,6 +186,13 @@ def n_step_transitions(reward, terminated, done, next_obs, gamma, n):
     truncation bootstraps from the true final observation.
     Returns (reward_sum, bootstrap_obs, bootstrap_discount), each [T, ...].
     """
+    where = 'n_step_transitions'
+    common.check_args(chex.assert_rank, where, 1, reward=reward, terminated=terminated,
+                      done=done)
+    common.check_args(chex.assert_type, where, bool, terminated=terminated, done=done)
+    common.check_args(chex.assert_rank, where, 0, gamma=gamma)
+    chex.assert_equal_shape_prefix([reward, terminated, done, next_obs], 1, custom_message=(
+        f'{where}: reward, terminated, done, next_obs share the time axis'))
     steps = reward.shape[0]
     reward_sum = jnp.zeros_like(reward)
     discount = jnp.ones_like(reward)
@@ -204,7 +212,18 @@ def n_step_transitions(reward, terminated, done, next_obs, gamma, n):
 
 
 def td_targets(q_target_next, q_online_next, reward_sum, bootstrap_discount, double_dqn):
-    """y = R + discount * Q_tgt(s', a*), a* = argmax of Q_online (double) or Q_tgt."""
+    """y = R + discount * Q_tgt(s', a*), a* = argmax of Q_online (double) or Q_tgt;
+    the Qs are [batch, n_actions], the rest [batch]."""
+    where = 'td_targets'
+    common.check_args(chex.assert_rank, where, 2, q_target_next=q_target_next,
+                      q_online_next=q_online_next)
+    common.check_args(chex.assert_rank, where, 1, reward_sum=reward_sum,
+                      bootstrap_discount=bootstrap_discount)
+    chex.assert_equal_shape([q_target_next, q_online_next],
+                            custom_message=f'{where}: q_target_next, q_online_next')
+    chex.assert_equal_shape_prefix(
+        [q_target_next, reward_sum, bootstrap_discount], 1,
+        custom_message=f'{where}: q_target_next, reward_sum, bootstrap_discount share the batch')
     chooser = q_online_next if double_dqn else q_target_next
     best = jnp.argmax(chooser, axis=-1)
     bootstrap = jnp.take_along_axis(q_target_next, best[..., None], axis=-1)[..., 0]
@@ -212,7 +231,9 @@ def td_targets(q_target_next, q_online_next, reward_sum, bootstrap_discount, dou
 
 
 def value_loss(predicted, target, smoothl1loss):
-    """Huber (delta 1) or L2 between predicted Q(s, a) and the fixed target."""
+    """Huber (delta 1) or L2 between predicted Q(s, a) and the fixed target, [batch]."""
+    common.check_args(chex.assert_rank, 'value_loss', 1, predicted=predicted, target=target)
+    chex.assert_equal_shape([predicted, target], custom_message='value_loss: predicted, target')
     error = predicted - jax.lax.stop_gradient(target)
     if smoothl1loss:
         return jnp.mean(optax.huber_loss(error, delta=1.0))
@@ -221,6 +242,8 @@ def value_loss(predicted, target, smoothl1loss):
 
 def sample_indices(key, count, shape):
     """Uniform (block, row) pairs over the valid rows of every replay block."""
+    common.check_args(chex.assert_rank, 'sample_indices', 1, count=count)
+    common.check_args(chex.assert_type, 'sample_indices', int, count=count)
     ends = jnp.cumsum(count)
     flat = jax.random.randint(key, shape, 0, ends[-1])
     block = jnp.searchsorted(ends, flat, side='right', method='compare_all')

@@ -37,6 +37,7 @@ import math
 import sys
 from typing import NamedTuple, Optional
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -135,12 +136,17 @@ ROLLOUT_CHUNK = 50  # steps between checks that every episode of a rollout is ov
 
 
 def categorical_log_prob(logits, action):
-    """log softmax(logits)[action], over the last axis."""
+    """log softmax(logits)[action], over the last axis; `action` is an integer."""
+    where = 'categorical_log_prob'
+    common.check_args(chex.assert_shape, where, (..., None), logits=logits)
+    common.check_args(chex.assert_shape, where, logits.shape[:-1], action=action)
+    common.check_args(chex.assert_type, where, int, action=action)
     log_p = jax.nn.log_softmax(logits, axis=-1)
     return jnp.take_along_axis(log_p, action[..., None].astype(jnp.int32), axis=-1)[..., 0]
 
 
 def categorical_entropy(logits):
+    common.check_args(chex.assert_shape, 'categorical_entropy', (..., None), logits=logits)
     log_p = jax.nn.log_softmax(logits, axis=-1)
     return -jnp.sum(jnp.exp(log_p) * log_p, axis=-1)
 
@@ -148,6 +154,8 @@ def categorical_entropy(logits):
 def categorical_sample(noise, logits, temperature):
     """Trax's Gumbel-max sample argmax(logits + T * gumbel), i.e. a sample of
     softmax(logits / T); T == 0: argmax. `noise` is standard Gumbel, logits' shape."""
+    common.check_args(chex.assert_shape, 'categorical_sample', (..., None), logits=logits)
+    chex.assert_equal_shape([noise, logits], custom_message='categorical_sample: noise, logits')
     if temperature == 0.0:
         return jnp.argmax(logits, axis=-1)
     return jnp.argmax(logits + temperature * noise, axis=-1)
@@ -155,16 +163,23 @@ def categorical_sample(noise, logits, temperature):
 
 def gaussian_log_prob(mean, log_std, action):
     """log N(action; mean, exp(log_std)^2), summed over the last (action) axis."""
+    common.check_args(chex.assert_shape, 'gaussian_log_prob', (..., None), mean=mean)
+    chex.assert_equal_shape([mean, log_std, action],
+                            custom_message='gaussian_log_prob: mean, log_std, action')
     z = (action - mean) * jnp.exp(-log_std)
     return jnp.sum(-0.5 * z ** 2 - log_std - 0.5 * LOG_2PI, axis=-1)
 
 
 def gaussian_entropy(log_std):
+    common.check_args(chex.assert_shape, 'gaussian_entropy', (..., None), log_std=log_std)
     return jnp.sum(log_std + 0.5 * (LOG_2PI + 1.0), axis=-1)
 
 
 def gaussian_sample(noise, mean, log_std, temperature):
-    """mean + T * std * noise (`noise` standard normal); T == 0: the mean."""
+    """mean + T * std * noise (`noise` standard normal, mean's shape); T == 0: the mean."""
+    common.check_args(chex.assert_shape, 'gaussian_sample', (..., None), mean=mean)
+    chex.assert_equal_shape([noise, mean, log_std],
+                            custom_message='gaussian_sample: noise, mean, log_std')
     if temperature == 0.0:
         return mean
     return mean + temperature * jnp.exp(log_std) * noise
@@ -181,6 +196,12 @@ def episode_returns(rewards, dones, valid, gamma):
     values 0: in Trax's arrays an episode ends with an extra step (the final
     observation, mask 0, done), which here are the padding steps `~valid`.
     """
+    where = 'episode_returns'
+    common.check_args(chex.assert_rank, where, 2, rewards=rewards, dones=dones, valid=valid)
+    common.check_args(chex.assert_type, where, bool, dones=dones, valid=valid)
+    common.check_args(chex.assert_rank, where, 0, gamma=gamma)
+    chex.assert_equal_shape([rewards, dones, valid],
+                            custom_message=f'{where}: rewards, dones, valid')
     rewards = jnp.where(valid, rewards, 0.0)
     gammas = jnp.where(dones, 0.0, gamma)
     returns = common.discounted_returns(rewards, gammas)
@@ -194,7 +215,10 @@ def masked_mean(x, weight):
 
 def advantages(returns, weight, normalize):
     """A = G - b with b the batch's mean return (Trax `_value_fn`), optionally
-    normalised to (A - mean A) / (std A + 1e-5); statistics over weighted steps."""
+    normalised to (A - mean A) / (std A + 1e-5); statistics over weighted steps,
+    flat [N] as in `Batch`."""
+    common.check_args(chex.assert_rank, 'advantages', 1, returns=returns, weight=weight)
+    chex.assert_equal_shape([returns, weight], custom_message='advantages: returns, weight')
     baseline = masked_mean(returns, weight)
     adv = returns - baseline
     if normalize:
@@ -205,7 +229,12 @@ def advantages(returns, weight, normalize):
 
 
 def reinforce_loss(log_probs, adv, weight):
-    """-(1/N) sum_t w_t A_t log pi(a_t | s_t), N = sum of weights; A is a constant."""
+    """-(1/N) sum_t w_t A_t log pi(a_t | s_t), N = sum of weights; A is a constant.
+    Flat [N] arrays, as in `Batch`."""
+    common.check_args(chex.assert_rank, 'reinforce_loss', 1, log_probs=log_probs, adv=adv,
+                      weight=weight)
+    chex.assert_equal_shape([log_probs, adv, weight],
+                            custom_message='reinforce_loss: log_probs, adv, weight')
     return -masked_mean(jax.lax.stop_gradient(adv) * log_probs, weight)
 
 

@@ -1,13 +1,17 @@
 """Contract tests for common.py (rlax style).
 
 Every advantage estimator is checked against a plain-numpy loop reference
-written here straight from the formulas (no code from common.py is used in
-the references), against the values Trax 1.4.1 computed, and under jit/vmap.
-Then remaining_evals, checkpoints, schedules, make_env, the MLP and conv
-torso, and the config-flag plumbing.
+written here straight from the formulas of docs/trax.md section 4 (no code
+from common.py is used in the references), against the values Trax 1.4.1
+computed, and with and without jit, vmapped (chex.variants). Their chex
+contracts: a wrong-shaped call fails naming the argument, and adds nothing
+to the traced program. Then remaining_evals (docs/trax.md section 3),
+checkpoints (docs/trax.md section 1), schedules,
+make_env, the MLP and conv torso, and the config-flag plumbing.
 """
 
 import dataclasses
+import functools
 import math
 import os
 import re
@@ -23,8 +27,10 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+import chex  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+from absl.testing import parameterized  # noqa: E402
 
 import common  # noqa: E402
 
@@ -33,7 +39,7 @@ RTOL, ATOL = 1e-5, 1e-5
 
 
 # ---------------------------------------------------------------------------
-# Plain-numpy loop references, from the formulas (float64, element by element).
+# Plain-numpy loop references, from docs/trax.md section 4 (float64, element by element).
 # ---------------------------------------------------------------------------
 
 
@@ -254,7 +260,7 @@ def test_references_agree_with_each_other():
 
 
 # ---------------------------------------------------------------------------
-# 2. Values computed by Trax 1.4.1 and extra hand-worked examples.
+# 2. Values computed by Trax 1.4.1 and the further checks of docs/trax.md section 4.
 # ---------------------------------------------------------------------------
 
 TRAX_TABLE = [
@@ -317,36 +323,139 @@ def test_spec_gamma_zero_discount_mask_example():
 
 
 # ---------------------------------------------------------------------------
-# 3. jit and vmap.
+# 3. With and without jit (chex.variants), vmapped, and the chex contracts.
 # ---------------------------------------------------------------------------
 
-ESTIMATOR_CASES = [
-    ('monte_carlo', lambda: common.monte_carlo(0.9, 2), 2),
-    ('td_k', lambda: common.td_k(0.9, 2), 2),
-    ('td_lambda', lambda: common.td_lambda(0.9, 1, 0.8), 1),
-    ('gae_m0', lambda: common.gae(1.0, 0, 0.8), 0),
-    ('gae_m3', lambda: common.gae(0.99, 3, 0.95), 3),
+ESTIMATOR_CASES = [  # name, estimator, its loop reference, margin
+    ('monte_carlo', lambda: common.monte_carlo(0.9, 2),
+     functools.partial(ref_monte_carlo, 0.9, 2), 2),
+    ('td_k', lambda: common.td_k(0.9, 2), functools.partial(ref_td_k, 0.9, 2), 2),
+    ('td_lambda', lambda: common.td_lambda(0.9, 1, 0.8),
+     functools.partial(ref_td_lambda, 0.9, 1, 0.8), 1),
+    ('gae_m0', lambda: common.gae(1.0, 0, 0.8), functools.partial(ref_gae, 1.0, 0, 0.8), 0),
+    ('gae_m3', lambda: common.gae(0.99, 3, 0.95), functools.partial(ref_gae, 0.99, 3, 0.95), 3),
 ]
+ESTIMATOR_ARGS = ('rewards', 'returns', 'values', 'dones', 'discount_mask')
 
 
-@pytest.mark.parametrize('name,make,margin', ESTIMATOR_CASES,
-                         ids=[case[0] for case in ESTIMATOR_CASES])
-def test_estimator_jit_and_vmap(name, make, margin):
-    estimator = make()
-    inputs = random_inputs(500 + margin, lead=(2,))
-    eager = np.stack([np.asarray(estimator(*(x[i] for x in inputs))) for i in range(2)])
-    assert eager.shape == (2, BATCH, LENGTH - margin)
+class EstimatorVariantsTest(chex.TestCase):
+    """Each piece with and without jit, alone and vmapped over a leading axis,
+    against the loop references."""
 
-    jitted = np.stack([np.asarray(jax.jit(estimator)(*(x[i] for x in inputs)))
-                       for i in range(2)])
-    np.testing.assert_allclose(jitted, eager, rtol=1e-6, atol=1e-6)
+    @chex.variants(with_jit=True, without_jit=True)
+    @parameterized.named_parameters(*ESTIMATOR_CASES)
+    def test_estimator(self, make, reference, margin):
+        estimator = make()
+        inputs = random_inputs(500 + margin, lead=(2,))
+        want = np.stack([reference(*(x[i] for x in inputs)) for i in range(2)])
+        one = self.variant(estimator)(*(x[0] for x in inputs))
+        assert one.shape == (BATCH, LENGTH - margin)
+        np.testing.assert_allclose(np.asarray(one), want[0], rtol=RTOL, atol=ATOL)
+        both = self.variant(jax.vmap(estimator))(*inputs)
+        assert both.shape == (2, BATCH, LENGTH - margin)
+        np.testing.assert_allclose(np.asarray(both), want, rtol=RTOL, atol=ATOL)
 
-    vmapped = np.asarray(jax.vmap(estimator)(*inputs))
-    assert vmapped.shape == (2, BATCH, LENGTH - margin)
-    np.testing.assert_allclose(vmapped, eager, rtol=1e-6, atol=1e-6)
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_discounted_returns_and_mask_discount(self):
+        rewards, _, _, _, mask = random_inputs(600, lead=(2,))
+        gammas = self.variant(jax.vmap(functools.partial(common.mask_discount, 0.9)))(mask)
+        np.testing.assert_allclose(np.asarray(gammas),
+                                   np.stack([ref_mask_discount(0.9, m) for m in mask]),
+                                   rtol=1e-6)
+        gammas = np.asarray(gammas, np.float32)
+        got = self.variant(common.discounted_returns)(rewards[0], gammas[0])
+        np.testing.assert_allclose(np.asarray(got), ref_discounted_returns(rewards[0], gammas[0]),
+                                   rtol=RTOL, atol=ATOL)
+        got = self.variant(jax.vmap(common.discounted_returns))(rewards, gammas)
+        np.testing.assert_allclose(np.asarray(got), np.stack(
+            [ref_discounted_returns(r, g) for r, g in zip(rewards, gammas)]), rtol=RTOL, atol=ATOL)
+        # one scalar gamma for every row, broadcast inside vmap
+        got = self.variant(jax.vmap(common.discounted_returns, in_axes=(0, None)))(rewards, 0.5)
+        np.testing.assert_allclose(np.asarray(got), np.stack(
+            [ref_discounted_returns(r, 0.5) for r in rewards]), rtol=RTOL, atol=ATOL)
 
-    both = np.asarray(jax.jit(jax.vmap(estimator))(*inputs))
-    np.testing.assert_allclose(both, eager, rtol=1e-6, atol=1e-6)
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_mlp(self):
+        params = common.init_mlp(jax.random.PRNGKey(0), [4, 8, 3])
+        x = np.random.default_rng(0).normal(size=(2, 5, 4)).astype(np.float32)
+        got = self.variant(common.mlp)(params, x)
+        assert got.shape == (2, 5, 3)
+        np.testing.assert_allclose(np.asarray(got[1, 2]), np.asarray(common.mlp(params, x[1, 2])),
+                                   rtol=1e-5, atol=1e-6)
+
+
+class ContractTest(chex.TestCase):
+    """A wrong-shaped call fails at once, with chex's message naming the argument,
+    instead of broadcasting into a wrong result; with jit it fails while tracing."""
+
+    @chex.variants(with_jit=True, without_jit=True)
+    @parameterized.named_parameters(*ESTIMATOR_CASES)
+    def test_estimator_names_the_wrong_argument(self, make, reference, margin):
+        del reference, margin
+        estimator = self.variant(make())
+        inputs = random_inputs(1)
+        label = make().__qualname__.split('.')[0] + ' estimator'
+        for index, name in enumerate(ESTIMATOR_ARGS):
+            one_row = [x[0] if i == index else x for i, x in enumerate(inputs)]  # [length]
+            with self.assertRaisesRegex(
+                    AssertionError, rf'assert_rank failed: .* but expected 2\. '
+                                    rf'\[argument `{name}` of {label}\]'):
+                estimator(*one_row)
+            one_step = [x[:, :1] if i == index else x for i, x in enumerate(inputs)]  # [batch, 1]
+            with self.assertRaisesRegex(AssertionError,
+                                        rf'assert_equal_shape failed: .*\(3, 1\).*{label}'):
+                estimator(*one_step)
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_discounted_returns_names_the_wrong_argument(self):
+        rewards, _, _, _, mask = random_inputs(2)
+        returns = self.variant(common.discounted_returns)
+        with self.assertRaisesRegex(AssertionError,
+                                    r'assert_rank.*\[argument `rewards` of discounted_returns\]'):
+            returns(rewards[0], 0.9)  # one row, no batch axis
+        with self.assertRaisesRegex(AssertionError,
+                                    r'assert_rank.*\[argument `gammas` of discounted_returns\]'):
+            returns(rewards, np.full(LENGTH, 0.9, np.float32))  # per step, not per row
+        with self.assertRaisesRegex(AssertionError, r'assert_equal_shape.*discounted_returns'):
+            returns(rewards, np.full((BATCH, 1), 0.9, np.float32))  # would broadcast
+        with self.assertRaisesRegex(AssertionError,
+                                    r'assert_rank.*\[argument `discount` of mask_discount\]'):
+            self.variant(common.mask_discount)(np.full(LENGTH, 0.9, np.float32), mask)
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_mlp_names_the_wrong_argument(self):
+        params = common.init_mlp(jax.random.PRNGKey(0), [4, 8, 3])
+        mlp = self.variant(common.mlp)
+        with self.assertRaisesRegex(AssertionError,
+                                    r'expected \(\.\.\., 4\)\. \[argument `x` of mlp\]'):
+            mlp(params, jnp.ones((5, 3)))  # 3 features for a 4-input net
+        with self.assertRaisesRegex(AssertionError, r'\[argument `x` of mlp\]'):
+            mlp(params, jnp.ones(()))
+        bad = [dict(layer) for layer in params]
+        bad[1]['b'] = bad[1]['b'][None]  # [1, out]: would broadcast a batch of 1
+        with self.assertRaisesRegex(AssertionError, r'\[argument `params\[1\]\["b"\]` of mlp\]'):
+            mlp(bad, jnp.ones((5, 4)))
+
+
+def assert_contracts_trace_to_nothing(function, *args):
+    """The traced program is the same with chex's assertions on and off: the
+    contracts cost nothing once compiled."""
+    with_contracts = str(jax.make_jaxpr(function)(*args))
+    chex.disable_asserts()
+    try:
+        without = str(jax.make_jaxpr(function)(*args))
+    finally:
+        chex.enable_asserts()
+    assert with_contracts == without
+
+
+def test_contracts_add_nothing_to_the_traced_program():
+    inputs = random_inputs(3)
+    for _, make, _, _ in ESTIMATOR_CASES:
+        assert_contracts_trace_to_nothing(make(), *inputs)
+    assert_contracts_trace_to_nothing(common.discounted_returns, inputs[0], 0.9)
+    assert_contracts_trace_to_nothing(common.mlp, common.init_mlp(jax.random.PRNGKey(0), [7, 3]),
+                                      inputs[0])
 
 
 SWEEP_GAMMAS = np.array([0.0, 0.5, 0.9, 1.0], np.float32)
@@ -373,27 +482,8 @@ def test_estimator_with_traced_gamma_and_lambda(name):
     np.testing.assert_allclose(got, np.stack(refs), rtol=RTOL, atol=ATOL)
 
 
-def test_discounted_returns_and_mask_discount_jit_and_vmap():
-    rewards, _, _, _, mask = random_inputs(600, lead=(2,))
-    gammas = np.asarray(common.mask_discount(0.9, mask), np.float32)
-    eager = np.stack([np.asarray(common.discounted_returns(rewards[i], gammas[i]))
-                      for i in range(2)])
-    np.testing.assert_allclose(np.asarray(jax.jit(common.discounted_returns)(
-        rewards[0], gammas[0])), eager[0], rtol=1e-6, atol=1e-6)
-    np.testing.assert_allclose(np.asarray(jax.vmap(common.discounted_returns)(
-        rewards, gammas)), eager, rtol=1e-6, atol=1e-6)
-    # scalar gamma broadcast inside vmap
-    scalar = np.asarray(jax.vmap(common.discounted_returns, in_axes=(0, None))(rewards, 0.5))
-    np.testing.assert_allclose(scalar, np.stack([ref_discounted_returns(rewards[i], 0.5)
-                                                 for i in range(2)]), rtol=RTOL, atol=ATOL)
-    masked = jax.jit(jax.vmap(lambda m: common.mask_discount(0.9, m)))(mask)
-    np.testing.assert_allclose(np.asarray(masked),
-                               np.stack([ref_mask_discount(0.9, m) for m in mask]),
-                               rtol=1e-6)
-
-
 # ---------------------------------------------------------------------------
-# 4. remaining_evals.
+# 4. remaining_evals (docs/trax.md section 3).
 # ---------------------------------------------------------------------------
 
 
@@ -464,13 +554,13 @@ METADATA = {
 
 
 def assert_trees_bitwise_equal(got, want):
-    assert jax.tree.structure(got) == jax.tree.structure(want)
-    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-        a, b = np.asarray(a), np.asarray(b)
-        assert a.dtype == b.dtype
-        assert a.shape == b.shape
-        np.testing.assert_array_equal(a, b)
-        assert a.tobytes() == b.tobytes()
+    """chex.assert_trees_all_equal (structure, shapes, dtypes and values, naming the
+    leaf that differs), then the bytes: exact equality still counts -0.0 as 0.0
+    and any NaN as any other, and a checkpoint must give back the very bits."""
+    chex.assert_trees_all_equal(got, want, strict=True)  # strict: dtypes too
+    chex.assert_trees_all_equal_comparator(
+        lambda a, b: np.asarray(a).tobytes() == np.asarray(b).tobytes(),
+        lambda a, b: f'equal values, different bytes: {a!r} vs {b!r}', got, want)
 
 
 @pytest.fixture
@@ -1112,3 +1202,58 @@ def test_every_int_field_declares_its_bounds(script):
         kind = kinds[field.name][0]
         if kind is int:
             assert field.metadata.get('bounds'), field.name
+
+
+# ---------------------------------------------------------------------------
+# The progress line and TensorBoard run names.
+# ---------------------------------------------------------------------------
+
+
+def test_epoch_line_shows_epoch_of_total_recent_return_and_time_left():
+    metrics = {'rl/n_interactions': np.array([1024, 1024]),
+               'rl/avg_return': np.array([np.nan, np.nan]),  # no episode ended this epoch
+               'rl/avg_return_temperature0.00_steps500': np.array([500.0, 480.0]),
+               'metrics/value_loss': np.array([0.5, 0.25])}
+    line = common.epoch_line(7, 150, metrics, np.array([210.0, 190.0]), 0.5, 3725)
+    assert line == ('epoch   7/150 | steps 1024 | return 200.0 (min 190.0) | eval T0.00@500 '
+                    '490.0 (min 480.0) | value_loss 0.375 | 0.50s | left 1h02m')
+    assert common.epoch_line(3, 5, metrics, np.array([np.nan, np.nan]), 0.5, 65).endswith(
+        '| 0.50s | left 1m05s')
+    assert 'return n/a' in common.epoch_line(3, 5, metrics, np.array([np.nan, np.nan]), 1, 0)
+
+
+def test_recent_returns_are_the_last_epoch_in_which_an_episode_ended():
+    history = [{'epoch': 2, 'run': 0, 'rl/avg_return': None},
+               {'epoch': 1, 'run': 0, 'rl/avg_return': 20.0},
+               {'epoch': 1, 'run': 1, 'rl/avg_return': None},
+               {'epoch': 2, 'run': 1, 'rl/avg_return': 30.0}]
+    np.testing.assert_array_equal(common.recent_returns(history, 3), [20.0, 30.0, np.nan])
+
+
+def test_run_names_name_grid_values_and_seed():
+    runs = [{'seed': 3, 'lr': 0.01, 'gamma': 0.99}, {'seed': 4, 'lr': 0.003, 'gamma': 0.99}]
+    assert common.run_names(runs, {'lr': [0.01, 0.003]}) == ['lr=0.01,seed=3', 'lr=0.003,seed=4']
+    assert common.run_names(runs[:1], {}) == ['seed=3']
+    twins = [{'seed': 3, 'lr': 0.01}, {'seed': 3, 'lr': 0.01}]
+    assert common.run_names(twins, {'lr': [0.01, 0.01]}) == ['lr=0.01,seed=3,run=0',
+                                                              'lr=0.01,seed=3,run=1']
+
+
+def test_take_saved_config_fills_in_what_the_command_line_left_out():
+    parser = common.build_parser(TinyConfig, 'tiny', '')
+    saved = {'algorithm': 'tiny', 'env': 'Acrobot-v1', 'max_slice_length': 4,
+             'double_dqn': False, 'eval_steps': [100, 300], 'max_steps': None, 'lr': 0.01,
+             'gamma': 0.9, 'grid': {'lr': [0.01, 0.003]}, 'seed': 7, 'num_seeds': 2}
+    argv = ['--gamma', '0.95', '--output-dir', 'x']
+    args = parser.parse_args(argv)
+    args.given, args.only_eval = common.given_flags(parser, argv), False
+    common.take_saved_config(TinyConfig, args, saved)
+    config, grid = common.config_and_grid(TinyConfig, args)
+    assert config == TinyConfig(env='Acrobot-v1', max_slice_length=4, double_dqn=False,
+                                eval_steps=(100, 300), max_steps=None, lr=0.01, gamma=0.95)
+    assert grid == {'lr': [0.01, 0.003]} and (args.seed, args.num_seeds) == (7, 2)
+    # A save of another algorithm (other fields) is left alone: resuming names them.
+    args = parser.parse_args([])
+    args.given, args.only_eval = set(), False
+    common.take_saved_config(TinyConfig, args, {**saved, 'hidden_sizes': [8]})
+    assert args.env == 'CartPole-v1' and args.seed == 0

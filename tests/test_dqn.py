@@ -1,11 +1,12 @@
-"""Contract tests for dqn.py (its config and the DQN algorithm).
+"""Contract tests for dqn.py (docs/trax.md sections 1, 2 and 6).
 
 The pure pieces (n-step windows, TD targets, losses, epsilon schedule, replay
 sampling) are checked against plain-numpy loop references written here and
-against hand-computed numbers. The agent is then checked on tiny probe
-environments defined in this file (each with a known Q function), on CartPole
-(it must learn, deterministically), on every registered gymnax env (one epoch
-runs) and through the CLI.
+against hand-computed numbers, with and without jit (chex.variants), and a
+wrong-shaped call must fail with chex's message naming the argument. The agent
+is then checked on tiny probe environments defined in this file (each with a
+known Q function), on CartPole (it must learn, deterministically), on every
+registered gymnax env (one epoch runs) and through the CLI.
 
 Compile time dominates on CPU, so every agent test compiles ONE program
 (init -> epochs of collect/train, as a lax.scan) from a module-scoped fixture
@@ -25,9 +26,11 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+import chex  # noqa: E402
 import gymnax  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+from absl.testing import parameterized  # noqa: E402
 from flax import struct  # noqa: E402
 from gymnax.environments import environment, spaces  # noqa: E402
 
@@ -147,8 +150,12 @@ def q_of(config, params, obs):
 
 
 def leaves_equal(a, b):
-    return all(np.array_equal(x, y) for x, y in
-               zip(jax.tree.leaves(jax.device_get(a)), jax.tree.leaves(jax.device_get(b))))
+    """Whether two pytrees are equal: structure, shapes, dtypes and values (chex)."""
+    try:
+        chex.assert_trees_all_equal(jax.device_get(a), jax.device_get(b), strict=True)
+    except AssertionError:
+        return False
+    return True
 
 
 # ---------------------------------------------------------------------------
@@ -181,10 +188,11 @@ def ref_n_step(reward, terminated, done, next_obs, gamma, n):
     return reward_sum, bootstrap, discount
 
 
-def n_step(reward, terminated, truncated, next_obs, gamma, n):
+def n_step(transform, reward, terminated, truncated, next_obs, gamma, n):
+    """dqn.n_step_transitions under `transform` (a chex variant), numpy out."""
     terminated = np.asarray(terminated, bool)
     done = terminated | np.asarray(truncated, bool)
-    out = jax.jit(dqn.n_step_transitions, static_argnums=5)(
+    out = transform(dqn.n_step_transitions, static_argnums=5)(
         jnp.asarray(reward, jnp.float32), jnp.asarray(terminated), jnp.asarray(done),
         jnp.asarray(next_obs, jnp.float32), gamma, n)
     return [np.asarray(x) for x in out]
@@ -197,110 +205,184 @@ HAND_TRUNCATED = [0, 0, 0, 1, 0, 0]
 HAND_NEXT_OBS = [[10.0], [11.0], [12.0], [13.0], [14.0], [15.0]]  # true final observations
 
 
-def test_n_step_three_steps_hand_values():
-    reward_sum, bootstrap, discount = n_step(
-        HAND_REWARD, HAND_TERMINATED, HAND_TRUNCATED, HAND_NEXT_OBS, 0.5, 3)
-    # t=0: 1 + .5*2, cut at the termination, no bootstrap.
-    # t=2: 3 + .5*4, cut at the truncation, bootstrap from obs 13 with .5^2 (not 0).
-    # t=4: 5 + .5*6, cut at the end of the block, bootstrap from obs 15 with .5^2.
-    np.testing.assert_allclose(reward_sum, [2.0, 2.0, 5.0, 4.0, 8.0, 6.0], rtol=1e-6)
-    np.testing.assert_allclose(discount, [0.0, 0.0, 0.25, 0.5, 0.25, 0.5], rtol=1e-6)
-    np.testing.assert_allclose(bootstrap[:, 0], [11, 11, 13, 13, 15, 15])
+class NStepAndTargetsTest(chex.TestCase):
+    """n-step windows, TD targets and losses, each with and without jit."""
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_n_step_three_steps_hand_values(self):
+        reward_sum, bootstrap, discount = n_step(
+            self.variant, HAND_REWARD, HAND_TERMINATED, HAND_TRUNCATED, HAND_NEXT_OBS, 0.5, 3)
+        # t=0: 1 + .5*2, cut at the termination, no bootstrap.
+        # t=2: 3 + .5*4, cut at the truncation, bootstrap from obs 13 with .5^2 (not 0).
+        # t=4: 5 + .5*6, cut at the end of the block, bootstrap from obs 15 with .5^2.
+        np.testing.assert_allclose(reward_sum, [2.0, 2.0, 5.0, 4.0, 8.0, 6.0], rtol=1e-6)
+        np.testing.assert_allclose(discount, [0.0, 0.0, 0.25, 0.5, 0.25, 0.5], rtol=1e-6)
+        np.testing.assert_allclose(bootstrap[:, 0], [11, 11, 13, 13, 15, 15])
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_n_step_one_step_hand_values(self):
+        reward_sum, bootstrap, discount = n_step(
+            self.variant, HAND_REWARD, HAND_TERMINATED, HAND_TRUNCATED, HAND_NEXT_OBS, 0.5, 1)
+        np.testing.assert_allclose(reward_sum, HAND_REWARD)
+        np.testing.assert_allclose(discount, [0.5, 0.0, 0.5, 0.5, 0.5, 0.5])
+        np.testing.assert_allclose(bootstrap, HAND_NEXT_OBS)
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_n_step_terminated_and_truncated_together_is_terminal(self):
+        _, _, discount = n_step(self.variant, [1.0, 1.0], [1, 0], [1, 0], [[0.0], [0.0]], 0.9, 3)
+        np.testing.assert_allclose(discount, [0.0, 0.9], rtol=1e-6)
+
+    @chex.variants(with_jit=True, without_jit=True)
+    @parameterized.parameters(1, 2, 3, 5)
+    def test_n_step_matches_loop_reference_on_random_blocks(self, n):
+        rng = np.random.default_rng(n)
+        steps, gamma = 11, 0.8
+        reward = rng.normal(size=steps)
+        terminated = rng.random(steps) < 0.2
+        truncated = rng.random(steps) < 0.2
+        next_obs = rng.normal(size=(steps, 2, 3))
+        got = n_step(self.variant, reward, terminated, truncated, next_obs, gamma, n)
+        want = ref_n_step(reward, terminated, terminated | truncated, next_obs, gamma, n)
+        for g, w in zip(got, want):
+            np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_td_targets_hand_values_plain_and_double(self):
+        q_target = jnp.asarray([[1.0, 5.0], [2.0, -1.0]])
+        q_online = jnp.asarray([[3.0, 0.0], [2.0, 7.0]])
+        reward_sum = jnp.asarray([0.5, 1.0])
+        discount = jnp.asarray([0.9, 0.0])
+        td_targets = self.variant(dqn.td_targets, static_argnums=4)
+        plain = td_targets(q_target, q_online, reward_sum, discount, False)
+        double = td_targets(q_target, q_online, reward_sum, discount, True)
+        # plain: max of the target net (5); double: a* = argmax online (0), valued by target (1).
+        np.testing.assert_allclose(plain, [0.5 + 0.9 * 5.0, 1.0], rtol=1e-6)
+        np.testing.assert_allclose(double, [0.5 + 0.9 * 1.0, 1.0], rtol=1e-6)
+
+    @chex.variants(with_jit=True, without_jit=True)
+    @parameterized.parameters(False, True)
+    def test_td_targets_match_loop_reference(self, double_dqn):
+        rng = np.random.default_rng(7)
+        batch, n_actions = 16, 4
+        q_target = rng.normal(size=(batch, n_actions))
+        q_online = rng.normal(size=(batch, n_actions))
+        reward_sum = rng.normal(size=batch)
+        discount = rng.choice([0.0, 0.9, 0.81], size=batch)
+        want = np.zeros(batch)
+        for b in range(batch):
+            chooser = q_online[b] if double_dqn else q_target[b]
+            best = max(range(n_actions), key=lambda a: chooser[a])
+            want[b] = reward_sum[b] + discount[b] * q_target[b, best]
+        td_targets = self.variant(dqn.td_targets, static_argnums=4)
+        arrays = [jnp.asarray(x, jnp.float32) for x in (q_target, q_online, reward_sum, discount)]
+        got = td_targets(*arrays, double_dqn)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+        if double_dqn:  # the two rules disagree on this data
+            assert not np.allclose(td_targets(*arrays, False), got)
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_huber_loss_values_and_fixed_target(self):
+        value_loss = self.variant(dqn.value_loss, static_argnums=2)
+        target = jnp.asarray([1.0, 1.0, 1.0])
+        predicted = target + jnp.asarray([0.5, 3.0, -3.0])
+        # smooth L1, delta 1: 0.5 e^2 inside |e| <= 1, |e| - 0.5 outside.
+        np.testing.assert_allclose(value_loss(predicted, target, True),
+                                   (0.125 + 2.5 + 2.5) / 3, rtol=1e-6)
+        grad_target = jax.grad(value_loss, argnums=1)(predicted, target, True)
+        np.testing.assert_array_equal(grad_target, 0.0)  # the target is a constant
+        grad_pred = jax.grad(value_loss)(predicted, target, True)
+        np.testing.assert_allclose(grad_pred, np.asarray([0.5, 1.0, -1.0]) / 3, rtol=1e-6)
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_l2_loss_is_quadratic_and_differs_from_huber_for_large_errors(self):
+        value_loss = self.variant(dqn.value_loss, static_argnums=2)
+        target = jnp.zeros(1)
+        small = value_loss(jnp.asarray([0.5]), target, False)
+        large = value_loss(jnp.asarray([3.0]), target, False)
+        np.testing.assert_allclose(large / small, 36.0, rtol=1e-6)
+        huber_large = value_loss(jnp.asarray([3.0]), target, True)
+        assert float(large) > float(huber_large) + 1.0
+        assert float(jax.grad(value_loss)(jnp.asarray([3.0]), target, False)[0]) > 1.0
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_l2_loss_is_trax_mean_squared_error(self):
+        predicted = jnp.asarray([0.5, 3.0])
+        np.testing.assert_allclose(
+            self.variant(dqn.value_loss, static_argnums=2)(predicted, jnp.zeros(2), False),
+            (0.25 + 9.0) / 2, rtol=1e-6)
 
 
-def test_n_step_one_step_hand_values():
-    reward_sum, bootstrap, discount = n_step(
-        HAND_REWARD, HAND_TERMINATED, HAND_TRUNCATED, HAND_NEXT_OBS, 0.5, 1)
-    np.testing.assert_allclose(reward_sum, HAND_REWARD)
-    np.testing.assert_allclose(discount, [0.5, 0.0, 0.5, 0.5, 0.5, 0.5])
-    np.testing.assert_allclose(bootstrap, HAND_NEXT_OBS)
+class ContractTest(chex.TestCase):
+    """A wrong-shaped call fails with chex's message naming the argument (with jit:
+    while tracing) instead of broadcasting into a wrong result."""
 
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_n_step_transitions_names_the_wrong_argument(self):
+        fn = self.variant(dqn.n_step_transitions, static_argnums=5)
+        steps = 6
+        good = dict(reward=jnp.ones(steps), terminated=jnp.zeros(steps, bool),
+                    done=jnp.zeros(steps, bool), next_obs=jnp.ones((steps, 4)), gamma=0.9)
+        fn(*good.values(), 3)
+        # The [T, n_envs] block of every env instead of one env's [T] (a missing vmap).
+        for name in ('reward', 'terminated', 'done'):
+            bad = {**good, name: jnp.stack([good[name]] * 2, axis=1)}
+            with self.assertRaisesRegex(
+                    AssertionError, rf'assert_rank failed: .*input 0 has rank 2 \(shape '
+                                    rf'\(6, 2\)\) but expected 1\. \[argument `{name}` of '
+                                    rf'n_step_transitions\]'):
+                fn(*bad.values(), 3)
+        # 0/1 integers where `~done` would be -1/-2: flags must be boolean.
+        for name in ('terminated', 'done'):
+            bad = {**good, name: good[name].astype(jnp.int32)}
+            with self.assertRaisesRegex(AssertionError, rf'assert_type failed: .*int32 but '
+                                        rf'expected bool\. \[argument `{name}` of'):
+                fn(*bad.values(), 3)
+        with self.assertRaisesRegex(AssertionError, r'\[argument `gamma` of n_step_transitions'):
+            fn(*{**good, 'gamma': jnp.full(steps, 0.9)}.values(), 3)
+        with self.assertRaisesRegex(AssertionError, r'assert_equal_shape_prefix failed: '
+                                    r'.*\(5,\).*next_obs share the time axis'):
+            fn(*{**good, 'next_obs': good['next_obs'][1:]}.values(), 3)
 
-def test_n_step_terminated_and_truncated_together_is_terminal():
-    _, _, discount = n_step([1.0, 1.0], [1, 0], [1, 0], [[0.0], [0.0]], 0.9, 3)
-    np.testing.assert_allclose(discount, [0.0, 0.9], rtol=1e-6)
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_td_targets_value_loss_and_sample_indices_name_the_wrong_argument(self):
+        td_targets = self.variant(dqn.td_targets, static_argnums=4)
+        q, r = jnp.ones((5, 2)), jnp.ones(5)
+        td_targets(q, q, r, r, True)
+        with self.assertRaisesRegex(AssertionError, r'\[argument `reward_sum` of td_targets\]'):
+            td_targets(q, q, r[:, None], r, True)  # [batch, 1]: would broadcast to [5, 5]
+        with self.assertRaisesRegex(AssertionError, r'\[argument `q_online_next` of td_targets'):
+            td_targets(q, q[0], r, r, True)
+        with self.assertRaisesRegex(AssertionError, r'assert_equal_shape_prefix.*td_targets'):
+            td_targets(q, q, r, r[1:], True)
+        value_loss = self.variant(dqn.value_loss, static_argnums=2)
+        with self.assertRaisesRegex(AssertionError, r'\[argument `target` of value_loss\]'):
+            value_loss(r, r[:, None], True)  # [batch, 1] - [batch] would be [batch, batch]
+        with self.assertRaisesRegex(AssertionError, r'assert_equal_shape.*value_loss'):
+            value_loss(r, r[1:], True)
+        sample_indices = self.variant(dqn.sample_indices, static_argnums=2)
+        key = jax.random.PRNGKey(0)
+        with self.assertRaisesRegex(AssertionError, r'\[argument `count` of sample_indices\]'):
+            sample_indices(key, jnp.ones((2, 3), jnp.int32), (4,))
+        with self.assertRaisesRegex(AssertionError, r'assert_type.*\[argument `count` of'):
+            sample_indices(key, jnp.ones(3), (4,))
 
-
-@pytest.mark.parametrize('n', [1, 2, 3, 5])
-def test_n_step_matches_loop_reference_on_random_blocks(n):
-    rng = np.random.default_rng(n)
-    steps, gamma = 11, 0.8
-    reward = rng.normal(size=steps)
-    terminated = rng.random(steps) < 0.2
-    truncated = rng.random(steps) < 0.2
-    next_obs = rng.normal(size=(steps, 2, 3))
-    got = n_step(reward, terminated, truncated, next_obs, gamma, n)
-    want = ref_n_step(reward, terminated, terminated | truncated, next_obs, gamma, n)
-    for g, w in zip(got, want):
-        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
-
-
-def test_td_targets_hand_values_plain_and_double():
-    q_target = jnp.asarray([[1.0, 5.0], [2.0, -1.0]])
-    q_online = jnp.asarray([[3.0, 0.0], [2.0, 7.0]])
-    reward_sum = jnp.asarray([0.5, 1.0])
-    discount = jnp.asarray([0.9, 0.0])
-    plain = dqn.td_targets(q_target, q_online, reward_sum, discount, False)
-    double = dqn.td_targets(q_target, q_online, reward_sum, discount, True)
-    # plain: max of the target net (5); double: a* = argmax online (0), valued by target (1).
-    np.testing.assert_allclose(plain, [0.5 + 0.9 * 5.0, 1.0], rtol=1e-6)
-    np.testing.assert_allclose(double, [0.5 + 0.9 * 1.0, 1.0], rtol=1e-6)
-
-
-@pytest.mark.parametrize('double_dqn', [False, True])
-def test_td_targets_match_loop_reference(double_dqn):
-    rng = np.random.default_rng(7)
-    batch, n_actions = 16, 4
-    q_target = rng.normal(size=(batch, n_actions))
-    q_online = rng.normal(size=(batch, n_actions))
-    reward_sum = rng.normal(size=batch)
-    discount = rng.choice([0.0, 0.9, 0.81], size=batch)
-    want = np.zeros(batch)
-    for b in range(batch):
-        chooser = q_online[b] if double_dqn else q_target[b]
-        best = max(range(n_actions), key=lambda a: chooser[a])
-        want[b] = reward_sum[b] + discount[b] * q_target[b, best]
-    got = dqn.td_targets(*(jnp.asarray(x, jnp.float32) for x in
-                           (q_target, q_online, reward_sum, discount)), double_dqn)
-    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
-    if double_dqn:  # the two rules disagree on this data
-        plain = dqn.td_targets(jnp.asarray(q_target), jnp.asarray(q_online),
-                               jnp.asarray(reward_sum), jnp.asarray(discount), False)
-        assert not np.allclose(plain, got)
-
-
-# ---------------------------------------------------------------------------
-# Losses.
-# ---------------------------------------------------------------------------
-
-
-def test_huber_loss_values_and_fixed_target():
-    target = jnp.asarray([1.0, 1.0, 1.0])
-    predicted = target + jnp.asarray([0.5, 3.0, -3.0])
-    # smooth L1, delta 1: 0.5 e^2 inside |e| <= 1, |e| - 0.5 outside.
-    np.testing.assert_allclose(dqn.value_loss(predicted, target, True),
-                               (0.125 + 2.5 + 2.5) / 3, rtol=1e-6)
-    grad_target = jax.grad(dqn.value_loss, argnums=1)(predicted, target, True)
-    np.testing.assert_array_equal(grad_target, 0.0)  # the target is a constant
-    grad_pred = jax.grad(dqn.value_loss)(predicted, target, True)
-    np.testing.assert_allclose(grad_pred, np.asarray([0.5, 1.0, -1.0]) / 3, rtol=1e-6)
-
-
-def test_l2_loss_is_quadratic_and_differs_from_huber_for_large_errors():
-    target = jnp.zeros(1)
-    small = dqn.value_loss(jnp.asarray([0.5]), target, False)
-    large = dqn.value_loss(jnp.asarray([3.0]), target, False)
-    np.testing.assert_allclose(large / small, 36.0, rtol=1e-6)
-    huber_large = dqn.value_loss(jnp.asarray([3.0]), target, True)
-    assert float(large) > float(huber_large) + 1.0
-    assert float(jax.grad(dqn.value_loss)(jnp.asarray([3.0]), target, False)[0]) > 1.0
-
-
-def test_l2_loss_is_trax_mean_squared_error():
-    target = jnp.zeros(2)
-    predicted = jnp.asarray([0.5, 3.0])
-    np.testing.assert_allclose(dqn.value_loss(predicted, target, False),
-                               (0.25 + 9.0) / 2, rtol=1e-6)
+    def test_contracts_add_nothing_to_the_traced_program(self):
+        steps = 6
+        args = (jnp.ones(steps), jnp.zeros(steps, bool), jnp.zeros(steps, bool),
+                jnp.ones((steps, 4)), 0.9)
+        q, r = jnp.ones((5, 2)), jnp.ones(5)
+        for function, inputs in [
+                (lambda *a: dqn.n_step_transitions(*a, 3), args),
+                (lambda *a: dqn.td_targets(*a, True), (q, q, r, r)),
+                (lambda *a: dqn.value_loss(*a, True), (r, r)),
+                (lambda *a: dqn.sample_indices(*a, (4,)),
+                 (jax.random.PRNGKey(0), jnp.ones(3, jnp.int32)))]:
+            traced = str(jax.make_jaxpr(function)(*inputs))
+            chex.disable_asserts()
+            try:
+                assert str(jax.make_jaxpr(function)(*inputs)) == traced
+            finally:
+                chex.enable_asserts()
 
 
 # ---------------------------------------------------------------------------
@@ -320,26 +402,30 @@ def test_exploration_rate_is_trax_formula(constant, decay, per_decay, minimum):
         np.testing.assert_allclose(got, want, rtol=1e-5, err_msg=f'epoch {epoch}')
 
 
-def test_sample_indices_only_valid_rows_uniformly():
-    count = jnp.asarray([5, 0, 3], jnp.int32)
-    block, row = jax.jit(dqn.sample_indices, static_argnums=2)(
-        jax.random.PRNGKey(0), count, (8000,))
-    block, row = np.asarray(block), np.asarray(row)
-    assert set(block.tolist()) == {0, 2}
-    assert np.all(row >= 0) and np.all(row < np.asarray(count)[block])
-    pairs, freq = np.unique(np.stack([block, row], 1), axis=0, return_counts=True)
-    assert [tuple(p) for p in pairs] == [(0, 0), (0, 1), (0, 2), (0, 3), (0, 4),
-                                         (2, 0), (2, 1), (2, 2)]
-    np.testing.assert_allclose(freq / 8000, 1 / 8, atol=0.02)  # uniform over the 8 rows
+class SampleIndicesTest(chex.TestCase):
 
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_sample_indices_only_valid_rows_uniformly(self):
+        count = jnp.asarray([5, 0, 3], jnp.int32)
+        block, row = self.variant(dqn.sample_indices, static_argnums=2)(
+            jax.random.PRNGKey(0), count, (8000,))
+        block, row = np.asarray(block), np.asarray(row)
+        assert set(block.tolist()) == {0, 2}
+        assert np.all(row >= 0) and np.all(row < np.asarray(count)[block])
+        pairs, freq = np.unique(np.stack([block, row], 1), axis=0, return_counts=True)
+        assert [tuple(p) for p in pairs] == [(0, 0), (0, 1), (0, 2), (0, 3), (0, 4),
+                                             (2, 0), (2, 1), (2, 2)]
+        np.testing.assert_allclose(freq / 8000, 1 / 8, atol=0.02)  # uniform over the 8 rows
 
-@pytest.mark.parametrize('count', [[0, 0, 4], [7], [1, 2]])
-def test_sample_indices_other_counts(count):
-    block, row = dqn.sample_indices(jax.random.PRNGKey(1), jnp.asarray(count, jnp.int32), (500,))
-    block, row = np.asarray(block), np.asarray(row)
-    assert np.all(np.asarray(count)[block] > 0)
-    assert np.all(row < np.asarray(count)[block])
-    assert len(set(zip(block.tolist(), row.tolist()))) == sum(count)
+    @chex.variants(with_jit=True, without_jit=True)
+    @parameterized.parameters([[0, 0, 4]], [[7]], [[1, 2]])
+    def test_sample_indices_other_counts(self, count):
+        block, row = self.variant(dqn.sample_indices, static_argnums=2)(
+            jax.random.PRNGKey(1), jnp.asarray(count, jnp.int32), (500,))
+        block, row = np.asarray(block), np.asarray(row)
+        assert np.all(np.asarray(count)[block] > 0)
+        assert np.all(row < np.asarray(count)[block])
+        assert len(set(zip(block.tolist(), row.tolist()))) == sum(count)
 
 
 # ---------------------------------------------------------------------------
@@ -456,11 +542,13 @@ def test_target_network_synced_exactly_every_sync_freq_steps():
         previous = at(params, i - 1) if i else init_params
         assert not leaves_equal(at(params, i), previous), f'params did not move at step {step}'
         if step % 3 == 0:
-            assert leaves_equal(at(targets, i), at(params, i)), f'no sync at step {step}'
+            chex.assert_trees_all_equal(at(targets, i), at(params, i), strict=True,
+                                        custom_message=f'no sync at step {step}')
             last_synced = at(params, i)
         else:
             assert not leaves_equal(at(targets, i), at(params, i)), f'synced at step {step}'
-            assert leaves_equal(at(targets, i), last_synced), f'target moved at step {step}'
+            chex.assert_trees_all_equal(at(targets, i), last_synced, strict=True,
+                                        custom_message=f'target moved at step {step}')
 
 
 def test_first_epochs_do_not_depend_on_the_requested_total():
@@ -474,7 +562,7 @@ def test_first_epochs_do_not_depend_on_the_requested_total():
         agent = dqn.make_agent(config)
         programs.append(epochs_program(agent, single_hp(config), 1, lambda s, m: s.params))
     short, long = (jax.device_get(p(jax.random.PRNGKey(0))[1]) for p in programs)
-    assert leaves_equal(short, long)
+    chex.assert_trees_all_equal(short, long, strict=True)
 
 
 def test_scale_value_targets_round_trip():
@@ -535,10 +623,11 @@ def test_evaluate_horizons_temperatures():
     assert 'rl/avg_return_temperature0.00_steps10' in metrics
     for (t, h), want in {(t, h): min(h, 5) for t in (0.0, 1.0, 0.5) for h in (3, 10)}.items():
         np.testing.assert_allclose(metrics[common.eval_key(t, h)], want, err_msg=f'T={t} h={h}')
-    assert leaves_equal(before.replay, after.replay)
-    assert leaves_equal(before.params, after.params)
+    chex.assert_trees_all_equal(before.replay, after.replay, strict=True)
+    chex.assert_trees_all_equal(before.params, after.params, strict=True)
     assert int(after.n_interactions) == int(before.n_interactions) == 8
-    assert leaves_equal(before.env_state, after.env_state)  # training envs untouched
+    # The training envs are untouched.
+    chex.assert_trees_all_equal(before.env_state, after.env_state, strict=True)
     assert int(after.epoch) == 1 and int(after.train_step) == 1
 
 
@@ -633,7 +722,7 @@ def test_num_seeds_give_different_runs():
     assert not np.array_equal(first.obs, second.obs)
     # Run 0 of the vmapped program is the single-seed run 0.
     single = jax.device_get(jax.jit(agent.init)(jax.random.PRNGKey(0), single_hp(config)))
-    assert leaves_equal(single.params, first.params)
+    chex.assert_trees_all_equal(single.params, first.params, strict=True)
 
 
 # ---------------------------------------------------------------------------

@@ -1,15 +1,19 @@
-"""pg.py: REINFORCE pieces against hand computations, probe environments with a
-known best action, the cut-off rule of n_interactions mode, seeds, determinism,
-CartPole-v1 learning and one epoch on every registered gymnax env."""
+"""pg.py: REINFORCE pieces against hand computations, with and without jit
+(chex.variants), and their chex contracts (a wrong-shaped call fails naming the
+argument); probe environments with a known best action, the cut-off rule of
+n_interactions mode, seeds, determinism, CartPole-v1 learning and one epoch on
+every registered gymnax env."""
 
 import json
 import os
 import sys
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from absl.testing import parameterized
 from flax import struct
 import gymnax
 from gymnax.environments import environment, spaces
@@ -178,34 +182,6 @@ def probe_config(env, **overrides):
 # ---------------------------------------------------------------------------
 
 
-def test_loss_gradient_equals_hand_computed_reinforce_gradient():
-    # A linear softmax policy logits = x W + b (an MLP with no hidden layer).
-    rng = np.random.default_rng(0)
-    n, d, k = 7, 3, 4
-    x = rng.normal(size=(n, d)).astype(np.float32)
-    actions = rng.integers(0, k, size=n)
-    returns = rng.normal(size=n).astype(np.float32) * 3
-    weight = np.array([1, 1, 0, 1, 1, 0, 1], np.float32)
-    params = common.init_mlp(jax.random.PRNGKey(1), [d, k], last_scale=1.0)
-    params[0]['b'] = jnp.asarray(rng.normal(size=k), jnp.float32)
-
-    def loss(params):
-        adv, _ = pg.advantages(jnp.asarray(returns), jnp.asarray(weight), normalize=False)
-        log_probs = pg.categorical_log_prob(common.mlp(params, x), jnp.asarray(actions))
-        return pg.reinforce_loss(log_probs, adv, jnp.asarray(weight))
-
-    grads = jax.grad(loss)(params)[0]
-    # By hand: dL/dlogits_i = -(w_i / sum w) A_i (onehot(a_i) - softmax_i), A = G - mean G.
-    w_np, b_np = np.asarray(params[0]['w']), np.asarray(params[0]['b'])
-    logits = x @ w_np + b_np
-    probs = np.exp(logits - logits.max(1, keepdims=True))
-    probs /= probs.sum(1, keepdims=True)
-    adv = returns - (returns * weight).sum() / weight.sum()
-    dlogits = -(weight * adv / weight.sum())[:, None] * (np.eye(k)[actions] - probs)
-    np.testing.assert_allclose(grads['w'], x.T @ dlogits, rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(grads['b'], dlogits.sum(0), rtol=1e-5, atol=1e-6)
-
-
 def test_train_step_follows_the_reinforce_gradient():
     """The agent's train phase on a hand-made batch: with Adam (b1 0, bias
     corrected) the first update is -lr * g / (|g| + eps), g the hand gradient of
@@ -241,81 +217,206 @@ def test_train_step_follows_the_reinforce_gradient():
     np.testing.assert_allclose(metrics['metrics/policy_loss'], -(adv * log_p).mean(), rtol=1e-5)
 
 
-def test_categorical_log_prob_entropy_and_temperature():
-    logits = jnp.asarray([[2.0, 0.5, -1.0], [0.0, 0.0, 3.0]])
-    probs = np.exp(logits) / np.exp(logits).sum(1, keepdims=True)
-    np.testing.assert_allclose(pg.categorical_log_prob(logits, jnp.asarray([1, 2])),
-                               np.log([probs[0, 1], probs[1, 2]]), rtol=1e-6)
-    np.testing.assert_allclose(pg.categorical_entropy(logits),
-                               -(probs * np.log(probs)).sum(1), rtol=1e-6)
-    noise = jax.random.gumbel(jax.random.PRNGKey(0), (40000, 3))
-    # T = 0: argmax, whatever the noise.
-    np.testing.assert_array_equal(pg.categorical_sample(noise, logits[0], 0.0), 0)
-    # T > 0: the frequencies of softmax(logits / T).
-    for temperature in (1.0, 0.5, 2.0):
-        samples = np.asarray(pg.categorical_sample(noise, logits[0], temperature))
-        target = np.exp(logits[0] / temperature)
-        target = target / target.sum()
-        np.testing.assert_allclose(np.bincount(samples, minlength=3) / len(samples), target,
-                                   atol=0.01)
+class PiecesTest(chex.TestCase):
+    """The loss and its pieces, each with and without jit."""
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_loss_gradient_equals_hand_computed_reinforce_gradient(self):
+        # A linear softmax policy logits = x W + b (an MLP with no hidden layer).
+        rng = np.random.default_rng(0)
+        n, d, k = 7, 3, 4
+        x = rng.normal(size=(n, d)).astype(np.float32)
+        actions = rng.integers(0, k, size=n)
+        returns = rng.normal(size=n).astype(np.float32) * 3
+        weight = np.array([1, 1, 0, 1, 1, 0, 1], np.float32)
+        params = common.init_mlp(jax.random.PRNGKey(1), [d, k], last_scale=1.0)
+        params[0]['b'] = jnp.asarray(rng.normal(size=k), jnp.float32)
+
+        def loss(params):
+            adv, _ = pg.advantages(jnp.asarray(returns), jnp.asarray(weight), normalize=False)
+            log_probs = pg.categorical_log_prob(common.mlp(params, x), jnp.asarray(actions))
+            return pg.reinforce_loss(log_probs, adv, jnp.asarray(weight))
+
+        grads = self.variant(jax.grad(loss))(params)[0]
+        # By hand: dL/dlogits_i = -(w_i / sum w) A_i (onehot(a_i) - softmax_i), A = G - mean G.
+        w_np, b_np = np.asarray(params[0]['w']), np.asarray(params[0]['b'])
+        logits = x @ w_np + b_np
+        probs = np.exp(logits - logits.max(1, keepdims=True))
+        probs /= probs.sum(1, keepdims=True)
+        adv = returns - (returns * weight).sum() / weight.sum()
+        dlogits = -(weight * adv / weight.sum())[:, None] * (np.eye(k)[actions] - probs)
+        np.testing.assert_allclose(grads['w'], x.T @ dlogits, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(grads['b'], dlogits.sum(0), rtol=1e-5, atol=1e-6)
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_categorical_log_prob_entropy_and_temperature(self):
+        logits = jnp.asarray([[2.0, 0.5, -1.0], [0.0, 0.0, 3.0]])
+        probs = np.exp(logits) / np.exp(logits).sum(1, keepdims=True)
+        np.testing.assert_allclose(
+            self.variant(pg.categorical_log_prob)(logits, jnp.asarray([1, 2])),
+            np.log([probs[0, 1], probs[1, 2]]), rtol=1e-6)
+        np.testing.assert_allclose(self.variant(pg.categorical_entropy)(logits),
+                                   -(probs * np.log(probs)).sum(1), rtol=1e-6)
+        noise = jax.random.gumbel(jax.random.PRNGKey(0), (40000, 3))
+        many = jnp.broadcast_to(logits[0], noise.shape)  # noise has the logits' shape
+        sample = self.variant(pg.categorical_sample, static_argnums=2)
+        # T = 0: argmax, whatever the noise.
+        np.testing.assert_array_equal(sample(noise, many, 0.0), 0)
+        # T > 0: the frequencies of softmax(logits / T).
+        for temperature in (1.0, 0.5, 2.0):
+            samples = np.asarray(sample(noise, many, temperature))
+            target = np.exp(logits[0] / temperature)
+            target = target / target.sum()
+            np.testing.assert_allclose(np.bincount(samples, minlength=3) / len(samples), target,
+                                       atol=0.01)
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_gaussian_log_prob_entropy_and_temperature(self):
+        mean = jnp.asarray([0.5, -1.0])
+        log_std = jnp.asarray([0.0, np.log(0.3)])
+        action = jnp.asarray([1.5, -0.4])
+        std = np.exp(np.asarray(log_std))
+        expected = np.sum(-0.5 * ((np.asarray(action) - mean) / std) ** 2 - np.log(std)
+                          - 0.5 * np.log(2 * np.pi))
+        np.testing.assert_allclose(self.variant(pg.gaussian_log_prob)(mean, log_std, action),
+                                   expected, rtol=1e-6)
+        np.testing.assert_allclose(self.variant(pg.gaussian_entropy)(log_std),
+                                   np.sum(0.5 * np.log(2 * np.pi * np.e * std ** 2)), rtol=1e-6)
+        noise = jax.random.normal(jax.random.PRNGKey(0), (40000, 2))
+        means, log_stds = (jnp.broadcast_to(x, noise.shape) for x in (mean, log_std))
+        sample = self.variant(pg.gaussian_sample, static_argnums=3)
+        np.testing.assert_array_equal(sample(noise, means, log_stds, 0.0), means)
+        for temperature in (1.0, 0.5):
+            samples = np.asarray(sample(noise, means, log_stds, temperature))
+            np.testing.assert_allclose(samples.mean(0), mean, atol=0.02)
+            np.testing.assert_allclose(samples.std(0), temperature * std, rtol=0.03)
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_baseline_is_the_mean_return_and_normalisation_ignores_padding(self):
+        returns = jnp.asarray([3.0, 1.0, 2.0, 100.0, 6.0])
+        weight = jnp.asarray([1.0, 1.0, 1.0, 0.0, 1.0])  # the 100 is padding
+        advantages = self.variant(pg.advantages, static_argnums=2)
+        adv, baseline = advantages(returns, weight, False)
+        assert float(baseline) == pytest.approx(3.0)  # Trax's _value_fn: mean return
+        np.testing.assert_allclose(adv, np.asarray(returns) - 3.0)
+        adv, _ = advantages(returns, weight, True)
+        valid = np.asarray(adv)[np.asarray(weight) > 0]
+        raw = np.array([3.0, 1.0, 2.0, 6.0]) - 3.0
+        np.testing.assert_allclose(valid, (raw - raw.mean()) / (raw.std() + 1e-5), rtol=1e-5)
+        assert valid.mean() == pytest.approx(0.0, abs=1e-6)
+        assert valid.std() == pytest.approx(1.0, abs=1e-4)
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_episode_returns_match_a_loop_and_never_cross_episodes(self):
+        rng = np.random.default_rng(3)
+        rewards = rng.normal(size=(4, 9)).astype(np.float32)
+        dones = rng.random((4, 9)) < 0.3
+        valid = np.ones((4, 9), bool)
+        valid[1, 6:] = False  # padding after an episode that ended at step 5
+        dones[1, 5] = True
+        gamma = 0.9
+        expected = np.zeros_like(rewards)
+        for row in range(4):
+            future = 0.0
+            for t in reversed(range(9)):
+                if not valid[row, t]:
+                    future = 0.0
+                    continue
+                future = rewards[row, t] + (0.0 if dones[row, t] else gamma * future)
+                expected[row, t] = future
+        episode_returns = self.variant(pg.episode_returns)
+        got = episode_returns(jnp.asarray(rewards), jnp.asarray(dones), jnp.asarray(valid), gamma)
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+        # A truncated episode (done at the cap, no bootstrap): the discounted sum of
+        # the rewards it observed.
+        got = episode_returns(jnp.ones((1, 3)), jnp.asarray([[False, False, True]]),
+                              jnp.ones((1, 3), bool), 0.5)
+        np.testing.assert_allclose(got, [[1.75, 1.5, 1.0]])
 
 
-def test_gaussian_log_prob_entropy_and_temperature():
-    mean = jnp.asarray([0.5, -1.0])
-    log_std = jnp.asarray([0.0, np.log(0.3)])
-    action = jnp.asarray([1.5, -0.4])
-    std = np.exp(np.asarray(log_std))
-    expected = np.sum(-0.5 * ((np.asarray(action) - mean) / std) ** 2 - np.log(std)
-                      - 0.5 * np.log(2 * np.pi))
-    np.testing.assert_allclose(pg.gaussian_log_prob(mean, log_std, action), expected, rtol=1e-6)
-    np.testing.assert_allclose(pg.gaussian_entropy(log_std),
-                               np.sum(0.5 * np.log(2 * np.pi * np.e * std ** 2)), rtol=1e-6)
-    noise = jax.random.normal(jax.random.PRNGKey(0), (40000, 2))
-    np.testing.assert_array_equal(pg.gaussian_sample(noise, mean, log_std, 0.0), mean)
-    for temperature in (1.0, 0.5):
-        samples = np.asarray(pg.gaussian_sample(noise, mean, log_std, temperature))
-        np.testing.assert_allclose(samples.mean(0), mean, atol=0.02)
-        np.testing.assert_allclose(samples.std(0), temperature * std, rtol=0.03)
+class ContractTest(chex.TestCase):
+    """A wrong-shaped call fails with chex's message naming the argument (with jit:
+    while tracing) instead of broadcasting into a wrong result."""
 
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_episode_returns_names_the_wrong_argument(self):
+        episode_returns = self.variant(pg.episode_returns)
+        rows, length = 2, 5
+        good = dict(rewards=jnp.ones((rows, length)), dones=jnp.zeros((rows, length), bool),
+                    valid=jnp.ones((rows, length), bool), gamma=0.9)
+        episode_returns(*good.values())
+        for name in ('rewards', 'dones', 'valid'):  # one row without its batch axis
+            with self.assertRaisesRegex(
+                    AssertionError, rf'assert_rank failed: .*input 0 has rank 1 \(shape '
+                                    rf'\(5,\)\) but expected 2\. \[argument `{name}` of '
+                                    r'episode_returns\]'):
+                episode_returns(*{**good, name: good[name][0]}.values())
+        for name in ('dones', 'valid'):  # `~valid` of 0/1 integers is -1/-2
+            with self.assertRaisesRegex(AssertionError, rf'assert_type.*\[argument `{name}` of'):
+                episode_returns(*{**good, name: good[name].astype(jnp.float32)}.values())
+        with self.assertRaisesRegex(AssertionError, r'\[argument `gamma` of episode_returns\]'):
+            episode_returns(*{**good, 'gamma': jnp.full(rows, 0.9)}.values())
+        with self.assertRaisesRegex(AssertionError, r'assert_equal_shape.*episode_returns'):
+            episode_returns(*{**good, 'valid': good['valid'][:, :1]}.values())  # would broadcast
 
-def test_baseline_is_the_mean_return_and_normalisation_ignores_padding():
-    returns = jnp.asarray([3.0, 1.0, 2.0, 100.0, 6.0])
-    weight = jnp.asarray([1.0, 1.0, 1.0, 0.0, 1.0])  # the 100 is padding
-    adv, baseline = pg.advantages(returns, weight, normalize=False)
-    assert float(baseline) == pytest.approx(3.0)  # Trax's _value_fn: mean return
-    np.testing.assert_allclose(adv, np.asarray(returns) - 3.0)
-    adv, _ = pg.advantages(returns, weight, normalize=True)
-    valid = np.asarray(adv)[np.asarray(weight) > 0]
-    raw = np.array([3.0, 1.0, 2.0, 6.0]) - 3.0
-    np.testing.assert_allclose(valid, (raw - raw.mean()) / (raw.std() + 1e-5), rtol=1e-5)
-    assert valid.mean() == pytest.approx(0.0, abs=1e-6)
-    assert valid.std() == pytest.approx(1.0, abs=1e-4)
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_distributions_name_the_wrong_argument(self):
+        logits, action = jnp.zeros((6, 3)), jnp.zeros(6, jnp.int32)
+        log_prob = self.variant(pg.categorical_log_prob)
+        log_prob(logits, action)
+        with self.assertRaisesRegex(AssertionError,
+                                    r'\[argument `action` of categorical_log_prob\]'):
+            log_prob(logits, action[:, None])  # [N, 1]
+        with self.assertRaisesRegex(AssertionError, r'assert_type.*int.*\[argument `action` of'):
+            log_prob(logits, action.astype(jnp.float32))
+        with self.assertRaisesRegex(AssertionError,
+                                    r'\[argument `logits` of categorical_entropy\]'):
+            self.variant(pg.categorical_entropy)(jnp.zeros(()))
+        with self.assertRaisesRegex(AssertionError, r'assert_equal_shape.*categorical_sample'):
+            self.variant(pg.categorical_sample, static_argnums=2)(logits[:, :2], logits, 1.0)
+        mean = jnp.zeros((6, 2))
+        with self.assertRaisesRegex(AssertionError, r'assert_equal_shape.*gaussian_log_prob'):
+            self.variant(pg.gaussian_log_prob)(mean, mean, mean[:, 0])  # [N] for [N, 1 or 2]
+        with self.assertRaisesRegex(AssertionError, r'assert_equal_shape.*gaussian_sample'):
+            self.variant(pg.gaussian_sample, static_argnums=3)(mean[:1], mean, mean, 1.0)
+        with self.assertRaisesRegex(AssertionError,
+                                    r'\[argument `log_std` of gaussian_entropy\]'):
+            self.variant(pg.gaussian_entropy)(jnp.zeros(()))
 
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_advantages_and_loss_name_the_wrong_argument(self):
+        x = jnp.ones(8)
+        advantages = self.variant(pg.advantages, static_argnums=2)
+        with self.assertRaisesRegex(AssertionError, r'\[argument `weight` of advantages\]'):
+            advantages(x, x[:, None], True)  # [N, 1]: the baseline would be over N * N
+        with self.assertRaisesRegex(AssertionError, r'assert_equal_shape.*advantages'):
+            advantages(x, x[1:], True)
+        loss = self.variant(pg.reinforce_loss)
+        with self.assertRaisesRegex(AssertionError, r'\[argument `adv` of reinforce_loss\]'):
+            loss(x, x.reshape(2, 4), x)
+        with self.assertRaisesRegex(AssertionError, r'assert_equal_shape.*reinforce_loss'):
+            loss(x, x, x[1:])
 
-def test_episode_returns_match_a_loop_and_never_cross_episodes():
-    rng = np.random.default_rng(3)
-    rewards = rng.normal(size=(4, 9)).astype(np.float32)
-    dones = rng.random((4, 9)) < 0.3
-    valid = np.ones((4, 9), bool)
-    valid[1, 6:] = False  # padding after an episode that ended at step 5
-    dones[1, 5] = True
-    gamma = 0.9
-    expected = np.zeros_like(rewards)
-    for row in range(4):
-        future = 0.0
-        for t in reversed(range(9)):
-            if not valid[row, t]:
-                future = 0.0
-                continue
-            future = rewards[row, t] + (0.0 if dones[row, t] else gamma * future)
-            expected[row, t] = future
-    got = pg.episode_returns(jnp.asarray(rewards), jnp.asarray(dones), jnp.asarray(valid), gamma)
-    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
-    # A truncated episode (done at the cap, no bootstrap): the discounted sum of
-    # the rewards it observed.
-    got = pg.episode_returns(jnp.ones((1, 3)), jnp.asarray([[False, False, True]]),
-                             jnp.ones((1, 3), bool), 0.5)
-    np.testing.assert_allclose(got, [[1.75, 1.5, 1.0]])
+    def test_contracts_add_nothing_to_the_traced_program(self):
+        rows, length = 2, 5
+        x, logits = jnp.ones(6), jnp.zeros((6, 3))
+        for function, inputs in [
+                (pg.episode_returns, (jnp.ones((rows, length)), jnp.zeros((rows, length), bool),
+                                      jnp.ones((rows, length), bool), 0.9)),
+                (pg.categorical_log_prob, (logits, jnp.zeros(6, jnp.int32))),
+                (pg.categorical_entropy, (logits,)),
+                (lambda *a: pg.categorical_sample(*a, 1.0), (logits, logits)),
+                (pg.gaussian_log_prob, (logits, logits, logits)),
+                (pg.gaussian_entropy, (logits,)),
+                (lambda *a: pg.gaussian_sample(*a, 1.0), (logits, logits, logits)),
+                (lambda *a: pg.advantages(*a, True), (x, x)),
+                (pg.reinforce_loss, (x, x, x))]:
+            traced = str(jax.make_jaxpr(function)(*inputs))
+            chex.disable_asserts()
+            try:
+                assert str(jax.make_jaxpr(function)(*inputs)) == traced
+            finally:
+                chex.enable_asserts()
 
 
 # ---------------------------------------------------------------------------
@@ -493,8 +594,8 @@ def test_same_seed_and_flags_give_identical_results(tmp_path, cache):
     strip = lambda records: [{k: v for k, v in r.items() if not k.startswith('timing/')
                               and k != 'rl/n_interactions_per_second'} for r in records]
     assert strip(read_metrics(outs[0])) == strip(read_metrics(outs[1]))
-    for a, b in zip(checkpoint_params(outs[0]), checkpoint_params(outs[1])):
-        np.testing.assert_array_equal(a, b)
+    chex.assert_trees_all_equal(checkpoint_params(outs[0]), checkpoint_params(outs[1]),
+                                strict=True)
 
 
 def test_defaults_solve_cartpole(tmp_path, cache):

@@ -1,5 +1,6 @@
-"""Runs that survive: resume after kill -9, config mismatch, only-eval, bad
-input, corrupt checkpoints, the NaN guard and Ctrl-C, for both scripts.
+"""Runs that survive: resume after kill -9, config mismatch, resume from the
+saved config, only-eval, bad input, corrupt checkpoints, the NaN guard and
+Ctrl-C, TensorBoard events, one writer per run dir, for both scripts.
 
 Most tests run the scripts as subprocesses, because the behaviour under test
 is the CLI's: exit status, one line on stderr, what is (not) written.
@@ -12,6 +13,7 @@ import subprocess
 import sys
 import time
 
+import chex
 import jax
 import numpy as np
 import pytest
@@ -27,7 +29,7 @@ SMALL = {
             '--batch-size', '32', '--n-eval-episodes', '2', '--eval-steps', '40',
             '--n-replay-epochs', '3', '--hidden-sizes', '16'],
     'pg': ['--n-trajectories-per-epoch', '4', '--n-interactions-per-epoch', 'none',
-           '--max-steps', '40', '--train-steps-per-epoch', '2', '--n-eval-episodes', '2',
+           '--max-steps', '40', '--train-steps-per-epoch', '256', '--n-eval-episodes', '2',
            '--eval-steps', '40', '--hidden-sizes', '16'],
 }
 ALGOS = sorted(SMALL)
@@ -119,10 +121,7 @@ def test_kill_9_then_resume_is_bitwise_identical(algo, reference_runs, cache_dir
     resumed_meta, resumed = checkpoint_leaves(os.path.join(out, 'checkpoint.npz'))
     reference_meta, expected = checkpoint_leaves(os.path.join(reference, 'checkpoint.npz'))
     assert resumed_meta['epoch'] == reference_meta['epoch'] == 5
-    assert len(resumed) == len(expected)
-    for a, b in zip(resumed, expected):
-        assert a.dtype == b.dtype
-        np.testing.assert_array_equal(a, b)
+    chex.assert_trees_all_equal(resumed, expected, strict=True)  # names a differing leaf
 
 
 @pytest.mark.parametrize('algo', ALGOS)
@@ -344,7 +343,8 @@ def test_out_of_memory_from_xla_is_one_line_status_1_and_keeps_the_checkpoint(
         return agent
     monkeypatch.setattr(module, 'make_agent', make_failing_agent)
     status, lines = _main_exit(algo, ['--quiet', '--compile-cache', cache_dir, *SMALL[algo],
-                                      '--epochs', '6', '--seed', '3', '--output-dir', out], capfd)
+                                      '--epochs', '6', '--lr-decay-epochs', '5', '--seed', '3',
+                                      '--output-dir', out], capfd)
     assert status == 1
     assert len(lines) == 1 and 'out of memory: RESOURCE_EXHAUSTED' in lines[0], lines
     assert 'checkpoint' in lines[0]
@@ -466,3 +466,177 @@ def test_ctrl_c_finishes_the_epoch_and_leaves_a_loadable_checkpoint(algo, refere
     run_script(algo, ['--epochs', '5', '--output-dir', out, '--seed', '3'], cache_dir, check=0)
     assert metrics_without_timing(metrics_path) == \
         metrics_without_timing(os.path.join(reference_runs[algo], 'metrics.jsonl'))
+
+
+# ---------------------------------------------------------------------------
+# Resume from the saved config; TensorBoard; one writer per run dir
+# ---------------------------------------------------------------------------
+
+
+def run_bare(algo, args, cache_dir, **kwargs):
+    """The script with only `args` (no SMALL sizes): what a user types to resume."""
+    command = [sys.executable, os.path.join(ROOT, f'{algo}.py'), '--quiet',
+               '--compile-cache', cache_dir, *args]
+    return subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=300,
+                          **kwargs)
+
+
+@pytest.mark.parametrize('algo', ALGOS)
+def test_resume_takes_the_saved_config(algo, cache_dir, tmp_path, capfd):
+    """--output-dir DIR --epochs N extends a run, and --output-dir DIR --only-eval
+    evaluates it, with every other flag (grid and seeds too) taken from the save."""
+    out = str(tmp_path / 'run')
+    run_script(algo, ['--epochs', '2', '--lr-decay-epochs', '3', '--output-dir', out,
+                      '--seed', '5', '--num-seeds', '2', '--gamma', '0.9,0.99',
+                      '--no-tensorboard'], cache_dir, check=0)
+    assert not os.path.exists(os.path.join(out, 'tb'))
+    first = json.load(open(os.path.join(out, 'summary.json')))
+    assert [(r['seed'], r['gamma']) for r in first['runs']] == \
+        [(5, 0.9), (6, 0.9), (5, 0.99), (6, 0.99)]
+
+    result = run_bare(algo, ['--output-dir', out, '--epochs', '3'], cache_dir)
+    assert result.returncode == 0, result.stderr
+    summary = json.load(open(os.path.join(out, 'summary.json')))
+    assert summary['epochs'] == 3 and summary['runs'] == first['runs']
+    records = [json.loads(line) for line in open(os.path.join(out, 'metrics.jsonl'))]
+    assert sorted((r['epoch'], r['run']) for r in records) == \
+        [(epoch, run) for epoch in (1, 2, 3) for run in range(4)]
+    saved = common.read_checkpoint_metadata(os.path.join(out, 'checkpoint.npz'))
+    assert saved['epoch'] == 3 and saved['config']['grid'] == {'gamma': [0.9, 0.99]}
+    # TensorBoard was off for the first part; the resumed run writes all of it.
+    assert sorted(os.listdir(os.path.join(out, 'tb'))) == \
+        sorted(f'gamma={g},seed={s}' for g in (0.9, 0.99) for s in (5, 6))
+
+    result = run_bare(algo, ['--output-dir', out, '--only-eval'], cache_dir)
+    assert result.returncode == 0, result.stderr
+    evals = [json.loads(line) for line in open(os.path.join(out, 'eval.jsonl'))]
+    assert [(r['epoch'], r['seed'], r['gamma']) for r in evals] == \
+        [(3, 5, 0.9), (3, 6, 0.9), (3, 5, 0.99), (3, 6, 0.99)]
+
+    # The same value given explicitly is no difference.
+    result = run_bare(algo, ['--output-dir', out, '--gamma', '0.9,0.99', '--seed', '5'],
+                      cache_dir)
+    assert result.returncode == 0, result.stderr
+
+    # In-process from here (each is refused before compiling): a flag given with
+    # another value is refused, naming it, and so is --epochs past the saved
+    # learning-rate horizon, saying how to keep the schedule; nothing is written.
+    import importlib
+    module = importlib.import_module(algo)
+    before = open(os.path.join(out, 'checkpoint.npz'), 'rb').read()
+    for flags, needles in ((['--gamma', '0.5'], ['different config', 'gamma']),
+                           (['--num-seeds', '3'], ['different config', 'num_seeds']),
+                           (['--seed', '0'], ['different config', 'seed']),
+                           (['--hidden-sizes', '8'], ['different config', 'hidden_sizes']),
+                           (['--epochs', '4'], ['decays to 0 over 3 epochs',
+                                                '--lr-decay-epochs 3'])):
+        with pytest.raises(SystemExit) as exit_info:
+            module.main(['--quiet', '--compile-cache', cache_dir, '--output-dir', out, *flags])
+        assert exit_info.value.code == 2
+        lines = capfd.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and all(needle in lines[0] for needle in needles), lines
+    assert open(os.path.join(out, 'checkpoint.npz'), 'rb').read() == before
+
+
+def read_events(directory, purge=True):
+    """{tag: [(step, value)]} and the text summaries of one TensorBoard run
+    directory, read by TensorBoard's own reader."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    accumulator = EventAccumulator(directory, size_guidance={'scalars': 0, 'tensors': 0},
+                                   purge_orphaned_data=purge)
+    accumulator.Reload()
+    tags = accumulator.Tags()
+    scalars = {tag: [(event.step, event.value) for event in accumulator.Scalars(tag)]
+               for tag in tags['scalars']}
+    texts = {tag: [event.tensor_proto.string_val[0].decode()
+                   for event in accumulator.Tensors(tag)] for tag in tags['tensors']}
+    return scalars, texts
+
+
+def assert_events_match_metrics(out, n_epochs):
+    records = [json.loads(line) for line in open(os.path.join(out, 'metrics.jsonl'))]
+    runs = json.load(open(os.path.join(out, 'summary.json')))['runs']
+    names = sorted(os.listdir(os.path.join(out, 'tb')))
+    assert names == sorted(f'lr={format(r["lr"], "g")},seed={r["seed"]}' for r in runs)
+    for index, run in enumerate(runs):
+        directory = os.path.join(out, 'tb', f'lr={format(run["lr"], "g")},seed={run["seed"]}')
+        assert len(os.listdir(directory)) == 1  # one event file, the old ones replaced
+        scalars, texts = read_events(directory, purge=False)  # no reader-side de-duplication
+        mine = sorted((r for r in records if r['run'] == index), key=lambda r: r['epoch'])
+        assert [r['epoch'] for r in mine] == list(range(1, n_epochs + 1))
+        tags = {tag for r in mine for tag, value in r.items()
+                if value is not None and tag not in ('epoch', 'run', *run)}
+        assert {'rl/avg_return', 'rl/n_interactions', 'timing/collect', 'timing/train',
+                'metrics/value_loss', 'rl/avg_return_temperature0.00_steps40'} <= tags
+        assert set(scalars) == tags
+        for tag in tags:
+            want = [(r['epoch'], float(np.float32(r[tag]))) for r in mine if r[tag] is not None]
+            assert scalars[tag] == want, tag  # one value per step, that of metrics.jsonl
+        [text] = texts['config/text_summary']
+        assert f'| seed | {run["seed"]} |' in text and '| env | "CartPole-v1" |' in text
+
+
+def test_tensorboard_events_match_metrics_and_a_resume_writes_no_duplicates(cache_dir,
+                                                                           tmp_path):
+    import shutil
+    out = str(tmp_path / 'run')
+    run_script('dqn', ['--epochs', '3', '--output-dir', out, '--lr', '1e-2,3e-3',
+                       '--train-steps-per-epoch', '16'], cache_dir, check=0)
+    assert_events_match_metrics(out, 3)
+    # A crash after epoch 3's metrics and events, before its checkpoint: the
+    # resumed run redoes epoch 3, and TensorBoard still holds one value per step.
+    shutil.copy(os.path.join(out, 'checkpoint.prev.npz'), os.path.join(out, 'checkpoint.npz'))
+    assert common.read_checkpoint_metadata(os.path.join(out, 'checkpoint.npz'))['epoch'] == 2
+    result = run_bare('dqn', ['--output-dir', out], cache_dir)
+    assert result.returncode == 0, result.stderr
+    assert_events_match_metrics(out, 3)
+
+
+def start_long_run(algo, out, cache_dir):
+    command = [sys.executable, os.path.join(ROOT, f'{algo}.py'), '--quiet', '--compile-cache',
+               cache_dir, *SMALL[algo], '--epochs', '100000', '--output-dir', out]
+    process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL)
+    metrics_path = os.path.join(out, 'metrics.jsonl')
+    deadline = time.time() + 120
+    while time.time() < deadline and process.poll() is None:  # wait for epoch 1
+        if os.path.exists(metrics_path) and os.path.getsize(metrics_path) > 0:
+            break
+        time.sleep(0.05)
+    assert process.poll() is None, 'the first run ended early'
+    return process
+
+
+@pytest.mark.parametrize('algo', ALGOS)
+def test_one_writer_per_run_dir_and_kill_9_leaves_no_lock(algo, cache_dir, tmp_path):
+    out = str(tmp_path / 'run')
+    process = start_long_run(algo, out, cache_dir)
+    try:
+        for flags in ([], ['--only-eval']):
+            result = run_bare(algo, ['--output-dir', out, *flags], cache_dir)
+            assert result.returncode == 2
+            assert_one_line_error(result, f'another run (pid {process.pid}) is writing {out}')
+        assert process.poll() is None  # the first run was not disturbed
+    finally:
+        process.kill()
+        process.wait()
+    # kill -9 leaves the lock file but no lock: the next run takes the dir over.
+    assert os.path.exists(os.path.join(out, common.LOCK_FILE))
+    result = run_bare(algo, ['--output-dir', out, '--only-eval'], cache_dir)
+    assert result.returncode == 0, result.stderr
+    epoch = common.read_checkpoint_metadata(os.path.join(out, 'checkpoint.npz'))['epoch']
+    result = run_bare(algo, ['--output-dir', out, '--epochs', str(epoch + 1)], cache_dir)
+    assert result.returncode == 0, result.stderr
+    assert json.load(open(os.path.join(out, 'summary.json')))['epochs'] == epoch + 1
+
+
+def test_output_dir_lock_in_process(tmp_path):
+    """The lock refuses a second holder even in the same process and is released
+    when the block ends."""
+    with common.output_dir_lock(str(tmp_path)):
+        assert open(tmp_path / common.LOCK_FILE).read().strip() == str(os.getpid())
+        with pytest.raises(common.UsageError, match=f'another run \\(pid {os.getpid()}\\)'):
+            with common.output_dir_lock(str(tmp_path)):
+                pass
+    with common.output_dir_lock(str(tmp_path)):
+        pass
