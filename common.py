@@ -313,6 +313,101 @@ def mlp(params, x):
 
 
 # ---------------------------------------------------------------------------
+# Conv torso for image observations ([..., H, W, C], e.g. MinAtar's 10x10xC
+# grids): the MinAtar paper's network (Young & Tian 2019) is one 3x3 conv of
+# 16 channels, stride 1, no padding, ReLU, flatten, then the MLP (dense 128).
+# A network is then {'conv': [{'w', 'b'}], 'mlp': init_mlp(...)}; an MLP-only
+# network stays init_mlp's plain list.
+# ---------------------------------------------------------------------------
+
+TORSOS = ('auto', 'mlp', 'conv')
+_CONV_DIMENSIONS = ('NHWC', 'HWIO', 'NHWC')  # observations are channels-last
+
+
+def resolve_torso(torso, obs_shape):
+    """'mlp' or 'conv' for --torso: auto means conv for rank-3 observations."""
+    if torso not in TORSOS:
+        raise UsageError(f'--torso must be one of {", ".join(TORSOS)}, got {torso!r}')
+    if torso == 'auto':
+        return 'conv' if len(obs_shape) == 3 else 'mlp'
+    if torso == 'conv' and len(obs_shape) != 3:
+        raise UsageError(f'--torso conv needs [height, width, channels] observations; '
+                         f'this env\'s are {list(obs_shape)}')
+    return torso
+
+
+def conv_output_shape(in_shape, channels, kernel=3, stride=1):
+    """[H, W, C] after the conv layers (VALID padding: each layer loses kernel - 1)."""
+    height, width, _ = in_shape
+    for _ in channels:
+        height = (height - kernel) // stride + 1
+        width = (width - kernel) // stride + 1
+        if height < 1 or width < 1:
+            raise UsageError(f'observation {list(in_shape)} is too small for '
+                             f'{len(channels)} {kernel}x{kernel} conv layer(s)')
+    return (height, width, channels[-1] if channels else in_shape[2])
+
+
+def init_conv(key, in_channels, channels, kernel=3):
+    """[{'w': [k, k, in, out], 'b': [out]}] per layer; Glorot-uniform over the
+    receptive field (fan = k * k * channels, as Trax's Conv) and zero biases."""
+    params = []
+    keys = jax.random.split(key, max(len(channels), 1))
+    for key_i, fan_in, fan_out in zip(keys, (in_channels, *channels[:-1]), channels):
+        limit = math.sqrt(6.0 / (kernel * kernel * (fan_in + fan_out)))
+        params.append({'w': jax.random.uniform(key_i, (kernel, kernel, fan_in, fan_out),
+                                               minval=-limit, maxval=limit),
+                       'b': jnp.zeros((fan_out,))})
+    return params
+
+
+def conv(params, x, stride=1):
+    """Conv layers made by init_conv, each followed by ReLU, on [..., H, W, C];
+    returns the features flattened, [..., H' * W' * C'].
+
+    Written as im2col: `lax.conv_general_dilated_patches` (a convolution with
+    a constant 0/1 kernel, so exact) and one matmul with the kernel. It equals
+    `lax.conv_general_dilated` up to float rounding, but stays bitwise the
+    same for a run alone, in a grid or sharded (see compiler_options): vmap
+    turns a per-run kernel in `conv_general_dilated` into a grouped
+    convolution over the runs, whose kernel gradient XLA CPU sums in another
+    order for 8 runs than for 1, while the matmul is YNNPACK's, which does not.
+    """
+    batch_shape = x.shape[:-3]
+    x = x.reshape((-1,) + x.shape[-3:])  # lax wants exactly one batch dim
+    for layer in params:
+        kernel = layer['w']  # [k, k, in, out]
+        size, _, channels_in, channels_out = kernel.shape
+        # [N, H', W', in * k * k], features ordered (in, row, column).
+        patches = jax.lax.conv_general_dilated_patches(
+            x, (size, size), (stride, stride), 'VALID', dimension_numbers=_CONV_DIMENSIONS)
+        weights = jnp.transpose(kernel, (2, 0, 1, 3)).reshape(channels_in * size * size,
+                                                               channels_out)
+        x = jax.nn.relu(patches @ weights + layer['b'])
+    return x.reshape(batch_shape + (-1,))
+
+
+def init_network(key, obs_shape, hidden_sizes, n_outputs, torso='mlp',
+                 conv_channels=(16,), last_scale=1.0):
+    """Params of torso (flatten, or conv_channels 3x3 convs) + MLP head."""
+    if torso == 'conv':
+        conv_key, mlp_key = jax.random.split(key)
+        features = int(np.prod(conv_output_shape(obs_shape, conv_channels)))
+        return {'conv': init_conv(conv_key, obs_shape[-1], conv_channels),
+                'mlp': init_mlp(mlp_key, [features, *hidden_sizes, n_outputs], last_scale)}
+    return init_mlp(key, [int(np.prod(obs_shape)), *hidden_sizes, n_outputs], last_scale)
+
+
+def network(params, obs, obs_shape):
+    """Apply init_network's params to observations [..., *obs_shape] (float32)."""
+    obs = jnp.asarray(obs).astype(jnp.float32)
+    batch_shape = obs.shape[:obs.ndim - len(obs_shape)]
+    if isinstance(params, dict) and 'conv' in params:
+        return mlp(params['mlp'], conv(params['conv'], obs))
+    return mlp(params, obs.reshape(batch_shape + (int(np.prod(obs_shape, dtype=int)),)))
+
+
+# ---------------------------------------------------------------------------
 # Schedules: Trax's lr.multifactor, written in jnp so `constant` (and the
 # others) may be traced per-run hyperparameters in a vmapped sweep.
 # ---------------------------------------------------------------------------
@@ -557,7 +652,13 @@ def enable_compile_cache(path):
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Appends each flag's default, unless its help already says what it is."""
+    """Appends each flag's default, unless its help already says what it is;
+    the epilog (the env settings table) keeps its lines."""
+
+    def _fill_text(self, text, width, indent):
+        if text.startswith(_SETTINGS_HEADING):
+            return ''.join(indent + line for line in text.splitlines(keepends=True))
+        return super()._fill_text(text, width, indent)
 
     def _get_help_string(self, action):
         if '(default' in (action.help or ''):
@@ -565,9 +666,11 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
-def build_parser(config_cls, prog, description):
-    """A parser with one flag per config field plus the run flags."""
-    parser = ArgumentParser(prog=prog, description=description, formatter_class=_HelpFormatter)
+def build_parser(config_cls, prog, description, env_settings=None):
+    """A parser with one flag per config field plus the run flags; --help ends
+    with the table of per-env settings."""
+    parser = ArgumentParser(prog=prog, description=description, formatter_class=_HelpFormatter,
+                            epilog=None if env_settings is None else env_settings_help(env_settings))
     hints = typing.get_type_hints(config_cls)
     for field in dataclasses.fields(config_cls):
         flag = '--' + field.name.replace('_', '-')
@@ -657,6 +760,46 @@ def given_flags(parser, argv):
     for action in bare._actions:
         action.default = argparse.SUPPRESS
     return set(vars(bare.parse_args(argv)))
+
+
+# ---------------------------------------------------------------------------
+# Per-env settings: each algorithm file has a plain table {env name: {field:
+# value}} of the fields that differ from its generic defaults (the CartPole
+# ones). Layering: defaults < env settings < flags typed on the command line.
+# ---------------------------------------------------------------------------
+
+_SETTINGS_HEADING = 'per-env settings'
+
+
+def _flag_text(value):
+    if isinstance(value, (tuple, list)):
+        return ','.join(str(v) for v in value)
+    return str(value)
+
+
+def env_settings_help(table):
+    """--help's epilog: one line per env, as the flags it amounts to."""
+    lines = [f'{_SETTINGS_HEADING} (used when --env is one of these; a flag given on the '
+             'command line wins):']
+    for env, settings in table.items():
+        flags = ' '.join(f'--{name.replace("_", "-")} {_flag_text(value)}'
+                         for name, value in settings.items())
+        lines.append(f'  {env}: {flags}')
+    return '\n'.join(lines if table else lines + ['  (none)'])
+
+
+def apply_env_settings(config_cls, args, table):
+    """Set on `args` the settings of args.env that no command-line flag gave;
+    -> {field: value} of those applied. Refuses a table naming no such field."""
+    names = {field.name for field in dataclasses.fields(config_cls)}
+    applied = {}
+    for name, value in (table or {}).get(args.env, {}).items():
+        if name not in names:
+            raise ValueError(f'env settings for {args.env}: no config field {name!r}')
+        if name not in getattr(args, 'given', set()):
+            setattr(args, name, value)
+            applied[name] = value
+    return applied
 
 
 RUN_FIELDS = ('seed', 'num_seeds')  # run flags a saved run's config records
@@ -1461,18 +1604,26 @@ def config_differences(saved, current):
                   if name not in HARMLESS_FIELDS and saved.get(name) != current.get(name))
 
 
-def main(config_cls, make_agent, check_hyperparameters, prog, description, argv=None):
-    """The command line of dqn.py / pg.py: parse flags (on resume, the saved
-    config fills in the flags not given), check every run's hyperparameters,
-    then run (or resume, or only evaluate) the experiment."""
-    parser = build_parser(config_cls, prog, description)
+def main(config_cls, make_agent, check_hyperparameters, prog, description, argv=None,
+         env_settings=None):
+    """The command line of dqn.py / pg.py: parse flags, then fill in the flags
+    not given: from the env's settings, and on resume from the saved config
+    (defaults < env settings < saved config < flags given); check every run's
+    hyperparameters, then run (or resume, or only evaluate) the experiment."""
+    parser = build_parser(config_cls, prog, description, env_settings)
     args = parser.parse_args(argv)
     args.given = given_flags(parser, argv)
+    applied = apply_env_settings(config_cls, args, env_settings)
     try:
         saved = saved_run_config(args.output_dir)
         args.sees_saved_run = saved is not None  # processes must agree (check_same_flags)
         if saved is not None:  # resume: what the command line leaves out is the saved run's
             take_saved_config(config_cls, args, saved)
+        elif applied and not args.quiet:
+            print(f'{prog}: settings for {args.env}: '
+                  + ' '.join(f'--{name.replace("_", "-")} {_flag_text(value)}'
+                             for name, value in applied.items())
+                  + ' (a flag on the command line overrides each)', flush=True)
         config, grid = config_and_grid(config_cls, args)
         check_run_flags(args)
         check_fields(config, grid)

@@ -7,7 +7,7 @@ computed, and with and without jit, vmapped (chex.variants). Their chex
 contracts: a wrong-shaped call fails naming the argument, and adds nothing
 to the traced program. Then remaining_evals (docs/trax.md section 3),
 checkpoints (docs/trax.md section 1), schedules,
-make_env, the MLP, and the config-flag plumbing.
+make_env, the MLP and conv torso, and the config-flag plumbing.
 """
 
 import dataclasses
@@ -908,6 +908,71 @@ def test_init_mlp_and_mlp():
     shifted[-1]['b'] = jnp.asarray([1.0, -2.0, 3.0])
     np.testing.assert_allclose(np.asarray(common.mlp(shifted, x)), h + [1.0, -2.0, 3.0],
                                rtol=1e-4, atol=1e-5)
+
+
+def reference_conv_network(params, x):
+    """The conv torso + MLP head written out with jax.lax.conv (NCHW / OIHW)."""
+    h = jnp.transpose(x, (0, 3, 1, 2))  # [N, H, W, C] -> [N, C, H, W]
+    for layer in params['conv']:
+        kernel = jnp.transpose(layer['w'], (3, 2, 0, 1))  # [k, k, in, out] -> [out, in, k, k]
+        h = jax.lax.conv(h, kernel, (1, 1), 'VALID') + layer['b'][None, :, None, None]
+        h = jnp.maximum(h, 0.0)
+    h = jnp.transpose(h, (0, 2, 3, 1)).reshape(x.shape[0], -1)  # channels-last flatten
+    for layer in params['mlp'][:-1]:
+        h = jnp.maximum(h @ layer['w'] + layer['b'], 0.0)
+    return h @ params['mlp'][-1]['w'] + params['mlp'][-1]['b']
+
+
+def test_conv_torso_shapes_and_gradients_match_lax_conv():
+    obs_shape = (5, 4, 2)
+    layers = common.init_conv(jax.random.PRNGKey(0), 2, (4, 3))
+    assert [layer['w'].shape for layer in layers] == [(3, 3, 2, 4), (3, 3, 4, 3)]
+    # Two 3x3 VALID convs would take 5x4 to 3x2, then to 1x0: refused.
+    with pytest.raises(common.UsageError, match='too small'):
+        common.conv_output_shape(obs_shape, (4, 3))
+    params = common.init_network(jax.random.PRNGKey(0), obs_shape, (6,), 3, 'conv',
+                                 conv_channels=(4,))
+    assert common.conv_output_shape(obs_shape, (4,)) == (3, 2, 4)
+    assert params['conv'][0]['w'].shape == (3, 3, 2, 4) and params['conv'][0]['b'].shape == (4,)
+    assert [layer['w'].shape for layer in params['mlp']] == [(3 * 2 * 4, 6), (6, 3)]
+    # Nonzero biases, so they are checked too.
+    params = jax.tree.map(lambda leaf: leaf + 0.1 * jnp.arange(leaf.size).reshape(leaf.shape)
+                          / leaf.size, params)
+    x = jax.random.normal(jax.random.PRNGKey(1), (7,) + obs_shape)
+    out = common.network(params, x, obs_shape)
+    assert out.shape == (7, 3)
+    np.testing.assert_allclose(out, reference_conv_network(params, x), rtol=1e-5, atol=1e-6)
+    # Leading batch dims of any rank, and one observation alone.
+    np.testing.assert_allclose(common.network(params, x.reshape((7, 1) + obs_shape), obs_shape),
+                               out[:, None], rtol=1e-6, atol=1e-6)
+    assert common.network(params, x[0], obs_shape).shape == (3,)
+
+    def loss(net, p):
+        return jnp.sum(jnp.sin(net(p, x)))
+    grads = jax.grad(lambda p: loss(lambda q, y: common.network(q, y, obs_shape), p))(params)
+    want = jax.grad(lambda p: loss(reference_conv_network, p))(params)
+    assert jax.tree.structure(grads) == jax.tree.structure(want)
+    for got, expected in zip(jax.tree.leaves(grads), jax.tree.leaves(want)):
+        assert got.shape == expected.shape
+        np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-5)
+        assert np.any(np.asarray(expected) != 0)
+
+
+def test_torso_choice():
+    assert common.resolve_torso('auto', (10, 10, 4)) == 'conv'
+    assert common.resolve_torso('auto', (4,)) == 'mlp'
+    assert common.resolve_torso('auto', (8, 8)) == 'mlp'
+    assert common.resolve_torso('mlp', (10, 10, 4)) == 'mlp'
+    with pytest.raises(common.UsageError, match='conv'):
+        common.resolve_torso('conv', (4,))
+    with pytest.raises(common.UsageError, match='torso'):
+        common.resolve_torso('cnn', (4,))
+    # An MLP network is init_mlp's list, applied to flattened observations.
+    params = common.init_network(jax.random.PRNGKey(0), (2, 3), (5,), 2)
+    assert_trees_bitwise_equal(params, common.init_mlp(jax.random.PRNGKey(0), [6, 5, 2]))
+    x = jnp.arange(12.0).reshape(2, 2, 3)
+    np.testing.assert_array_equal(common.network(params, x, (2, 3)),
+                                  common.mlp(params, x.reshape(2, 6)))
 
 
 def test_import_common_does_not_import_gymnax():

@@ -13,6 +13,7 @@ Compile time dominates on CPU, so every agent test compiles ONE program
 and small configs.
 """
 
+import dataclasses
 import json
 import math
 import sys
@@ -35,6 +36,7 @@ from gymnax.environments import environment, spaces  # noqa: E402
 
 import common  # noqa: E402
 import dqn  # noqa: E402
+import probe_envs  # noqa: E402
 
 # The envs registered before this module adds its probes (smoke-tested below).
 GYMNAX_ENVS = list(gymnax.registered_envs)
@@ -127,6 +129,9 @@ PROBES = {kind: f'DqnProbe{kind.title().replace("_", "")}-test' for kind in PROB
 for _kind, _name in PROBES.items():
     if _name not in gymnax.registered_envs:
         gymnax.register(_name, lambda kind=_kind: Probe(kind, PROBE_LIMITS[kind]))
+
+
+probe_envs.register()  # the 5x5x2 image probe, learnt through the conv torso
 
 
 def run_hp(config, n_runs=1, seed=0):
@@ -675,6 +680,26 @@ def test_probe_truncation_bootstraps():
                                atol=PROBE_TOLERANCE)
 
 
+def test_probe_image_observation_through_the_conv_torso():
+    """5x5x2 grid, reward +-1 by which channel holds the one lit cell, anywhere:
+    --torso auto picks the conv torso, and its Q reads the channel at every cell."""
+    config = dqn.Config(env=probe_envs.IMAGE_PROBE, epochs=12,
+                        **{**PROBE_CONFIG, 'hidden_sizes': (32,)}, conv_channels=(8,),
+                        scale_value_targets=False)
+    agent = dqn.make_agent(config)
+    final, _ = epochs_program(agent, single_hp(config), 12, lambda s, m: ())(
+        jax.random.PRNGKey(0))
+    params = jax.device_get(final.params)
+    assert set(params) == {'conv', 'mlp'}  # auto chose conv for rank-3 observations
+    assert params['conv'][0]['w'].shape == (3, 3, 2, 8)
+    cells = jnp.arange(25)
+    obs = jnp.concatenate([jax.vmap(probe_envs.image_observation, (0, None))(cells, 1.0),
+                           jax.vmap(probe_envs.image_observation, (0, None))(cells, -1.0)])
+    q = np.asarray(common.network(params, obs, probe_envs.IMAGE_SHAPE))
+    want = np.repeat([[1.0, 1.0], [-1.0, -1.0]], 25, axis=0)
+    np.testing.assert_allclose(q, want, atol=PROBE_TOLERANCE)
+
+
 # ---------------------------------------------------------------------------
 # Seeds under vmap (the driver's --num-seeds program).
 # ---------------------------------------------------------------------------
@@ -825,3 +850,60 @@ def test_cli_unknown_env_lists_valid_envs(capsys, tmp_path):
 def test_cli_rejects_max_slice_length_1(capsys, tmp_path):
     err = cli_error(capsys, tmp_path, '--max-slice-length', '1')
     assert 'max-slice-length' in err
+
+
+# ---------------------------------------------------------------------------
+# Per-env settings (dqn.ENV_SETTINGS): defaults < env settings < flags given.
+# ---------------------------------------------------------------------------
+
+
+def test_env_settings_table_names_real_fields_and_discrete_envs():
+    fields = {field.name: field for field in dataclasses.fields(dqn.Config)}
+    for name, settings in dqn.ENV_SETTINGS.items():
+        assert name in GYMNAX_ENVS, name
+        env, env_params = common.make_env(name)
+        assert common.space_kind(env.action_space(env_params)) == 'discrete', name
+        for field, value in settings.items():
+            assert field in fields, (name, field)
+            assert value != fields[field].default, f'{name}: {field} is the default'
+        dqn.check_config(dataclasses.replace(dqn.Config(env=name), **settings))
+
+
+def test_help_lists_the_env_settings(capsys):
+    with pytest.raises(SystemExit):
+        dqn.main(['--help'])
+    out = capsys.readouterr().out
+    assert 'per-env settings' in out
+    for name, settings in dqn.ENV_SETTINGS.items():
+        line = next(line for line in out.splitlines() if line.strip().startswith(name + ':'))
+        for field in settings:
+            assert '--' + field.replace('_', '-') in line, (name, field)
+
+
+def test_env_settings_apply_flags_override_and_config_records(monkeypatch, tmp_path, capsys):
+    settings = {'lr': 3e-3, 'gamma': 0.9, 'hidden_sizes': (8, 4), 'sync_freq': 10,
+                'n_eval_episodes': 3}
+    monkeypatch.setattr(dqn, 'ENV_SETTINGS', {'CartPole-v1': settings, 'Acrobot-v1': {'lr': 1.0}})
+    tiny = ['--epochs', '1', '--n-envs', '2', '--n-interactions-per-epoch', '8',
+            '--train-steps-per-epoch', '2', '--batch-size', '4', '--eval-steps', '8',
+            '--compile-cache', 'none']
+    out = tmp_path / 'run'
+    # --sync-freq and --n-eval-episodes typed: they win over the settings (and
+    # no evaluation keeps this test's compile short).
+    dqn.main([*tiny, '--sync-freq', '25', '--n-eval-episodes', '0', '--output-dir', str(out)])
+    printed = capsys.readouterr().out.splitlines()[0]
+    assert printed.startswith('dqn.py: settings for CartPole-v1: ')
+    assert '--lr 0.003 --gamma 0.9 --hidden-sizes 8,4' in printed
+    assert 'sync-freq' not in printed and 'n-eval-episodes' not in printed
+    config = json.loads((out / 'config.json').read_text())
+    assert config['lr'] == 3e-3 and config['gamma'] == 0.9 and config['hidden_sizes'] == [8, 4]
+    assert config['sync_freq'] == 25 and config['n_eval_episodes'] == 0  # the flags
+    assert config['epochs'] == 1 and config['lr_decay_epochs'] == 1
+    assert config['max_slice_length'] == dqn.Config.max_slice_length  # untouched default
+    # A sweep given on the command line wins over a setting of that field too.
+    grid_out = tmp_path / 'grid'
+    dqn.main([*tiny, '--quiet', '--n-eval-episodes', '0', '--lr', '1e-2,1e-3',
+              '--output-dir', str(grid_out)])
+    config = json.loads((grid_out / 'config.json').read_text())
+    assert config['grid'] == {'lr': [1e-2, 1e-3]} and config['gamma'] == 0.9
+    assert capsys.readouterr().out == ''  # --quiet: no settings line either

@@ -20,6 +20,8 @@ TINY = ['--n-envs', '4', '--n-interactions-per-epoch', '64', '--train-steps-per-
         '--batch-size', '32', '--n-eval-episodes', '2', '--eval-steps', '40',
         '--n-replay-epochs', '2', '--hidden-sizes', '16', '--epochs', '2', '--quiet']
 IGNORED = ('timing/', 'rl/n_interactions_per_second')
+# The conv torso on MinAtar's 10x10x4 grids (--torso auto picks it there).
+CONV_TINY = [*TINY, '--env', 'Breakout-MinAtar', '--conv-channels', '4', '--eval-steps', '20']
 
 
 def results(out):
@@ -99,6 +101,18 @@ def test_grid_equals_the_separate_runs(cache_dir, tmp_path):
     # And the runs really differ from one another.
     returns = [r['metrics/value_loss'] for r in records if r['epoch'] == 2]
     assert len(set(returns)) == 8
+
+
+def test_conv_grid_equals_the_separate_runs(cache_dir, tmp_path):
+    """The conv torso too: a 2-point lr grid x 2 seeds = the 4 runs alone, bitwise."""
+    grid_out = str(tmp_path / 'grid')
+    dqn.main([*CONV_TINY, '--compile-cache', cache_dir, '--output-dir', grid_out,
+              '--lr', '1e-2,3e-3', '--num-seeds', '2'])
+    header, _ = common._read_checkpoint(os.path.join(grid_out, 'checkpoint.npz'))
+    assert any("['conv']" in path for path in header['paths'])
+    records = assert_grid_equals_separate_runs(
+        dqn.main, [*CONV_TINY, '--compile-cache', cache_dir], grid_out, tmp_path)
+    assert len({r['metrics/value_loss'] for r in records if r['epoch'] == 2}) == 4
 
 
 def test_sharded_over_four_devices_matches_one_device(cache_dir, tmp_path):
