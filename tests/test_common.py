@@ -33,6 +33,7 @@ import jax.numpy as jnp  # noqa: E402
 from absl.testing import parameterized  # noqa: E402
 
 import common  # noqa: E402
+from contracts import assert_contracts_trace_to_nothing  # noqa: E402
 
 BATCH, LENGTH = 3, 7
 RTOL, ATOL = 1e-5, 1e-5
@@ -435,18 +436,6 @@ class ContractTest(chex.TestCase):
         bad[1]['b'] = bad[1]['b'][None]  # [1, out]: would broadcast a batch of 1
         with self.assertRaisesRegex(AssertionError, r'\[argument `params\[1\]\["b"\]` of mlp\]'):
             mlp(bad, jnp.ones((5, 4)))
-
-
-def assert_contracts_trace_to_nothing(function, *args):
-    """The traced program is the same with chex's assertions on and off: the
-    contracts cost nothing once compiled."""
-    with_contracts = str(jax.make_jaxpr(function)(*args))
-    chex.disable_asserts()
-    try:
-        without = str(jax.make_jaxpr(function)(*args))
-    finally:
-        chex.enable_asserts()
-    assert with_contracts == without
 
 
 def test_contracts_add_nothing_to_the_traced_program():
