@@ -145,10 +145,28 @@ class Config:
         'the first and after each (Trax: 1)', bounds='[1, inf)')
     scale_value_targets: bool = common.option(
         False, 'a2c/ppo: the value network predicts V * (1 - gamma) (Trax: off)')
+    torso: str = common.option(
+        'auto', 'policy (and value) torso: mlp, conv (3x3 convs, ReLU, flatten) or auto '
+        '(conv for [height, width, channels] observations, mlp otherwise)',
+        choices=common.TORSOS)
+    conv_channels: tuple[int, ...] = common.option(
+        (16,), 'conv torso: channels of each 3x3 stride-1 conv (MinAtar paper: 16)',
+        bounds='[1, inf)')
     hidden_sizes: tuple[int, ...] = common.option(
         (64, 64), 'policy (and value) MLP hidden layer sizes', bounds='[1, inf)')
+    normalize_observations: bool = common.option(
+        False, 'map each observation dimension whose Box bounds are finite onto [-1, 1] '
+        'before the networks (MountainCar\'s velocity spans only +-0.07)')
     init_log_std: float = common.option(
-        0.0, 'Box actions: initial log std, in units of half the Box\'s width', sweep=True)
+        0.0, 'Box actions: initial log std, in units of half the Box\'s width (gSDE: of '
+        'each noise weight)', sweep=True)
+    state_dependent_exploration: bool = common.option(
+        False, 'Box actions: gSDE (Raffin et al. 2022): the noise is the policy\'s last '
+        'hidden features times a random weight matrix held for --sde-sample-freq steps, '
+        'so it is smooth in time; off: fresh Gaussian noise every step')
+    sde_sample_freq: int = common.option(
+        0, 'gSDE: steps between draws of the noise weights (0: one draw per epoch\'s '
+        'rollout, as stable-baselines3\'s -1)', bounds='[0, inf)')
     n_eval_episodes: int = common.option(32, 'episodes per evaluation (0: no evaluation)', bounds='[0, inf)')
     eval_steps: Optional[tuple[int, ...]] = common.option(
         None, 'evaluation horizons, e.g. 200,500 (default: max_steps)', bounds='[1, inf)')
@@ -219,6 +237,7 @@ class State(NamedTuple):
 # ---------------------------------------------------------------------------
 
 LOG_2PI = math.log(2 * math.pi)
+SDE_VARIANCE_FLOOR = 1e-6  # added to gSDE's variance (stable-baselines3's epsilon)
 ROLLOUT_CHUNK = 50  # steps between checks that every episode of a rollout is over
 
 
@@ -270,6 +289,19 @@ def gaussian_sample(noise, mean, log_std, temperature):
     if temperature == 0.0:
         return mean
     return mean + temperature * jnp.exp(log_std) * noise
+
+
+def observation_bounds(space, obs_shape):
+    """(centre, half width) of each observation dimension for
+    --normalize-observations: (0, 1), i.e. unchanged, where the Box has no
+    finite bounds (gymnax writes 'unbounded' as float32's largest value)."""
+    low = np.broadcast_to(np.asarray(getattr(space, 'low', -np.inf), np.float64), obs_shape)
+    high = np.broadcast_to(np.asarray(getattr(space, 'high', np.inf), np.float64), obs_shape)
+    bounded = (np.abs(low) < 1e30) & (np.abs(high) < 1e30) & (high > low)
+    low, high = np.where(bounded, low, -1.0), np.where(bounded, high, 1.0)
+    centre = np.where(bounded, (low + high) / 2, 0.0).astype(np.float32)
+    half = np.where(bounded, (high - low) / 2, 1.0).astype(np.float32)
+    return jnp.asarray(centre), jnp.asarray(half)
 
 
 def episode_returns(rewards, dones, valid, gamma):
@@ -520,7 +552,11 @@ def make_agent(config: Config) -> common.Agent:
     eval_tags = [(t, h) for t in config.eval_temperatures
                  for h in (config.eval_steps or (max_steps,))]
     obs_shape = tuple(env.observation_space(env_params).shape)
-    obs_size = common.flat_obs_size(env, env_params)
+    torso = common.resolve_torso(config.torso, obs_shape)
+    if torso == 'conv':
+        common.conv_output_shape(obs_shape, config.conv_channels)  # refuses too small
+    obs_centre, obs_half = observation_bounds(env.observation_space(env_params), obs_shape)
+    sde = config.state_dependent_exploration and kind == 'box'
     if kind == 'discrete':
         n_outputs, action_shape = int(action_space.n), ()
     else:
@@ -533,6 +569,9 @@ def make_agent(config: Config) -> common.Agent:
         centre = jnp.asarray(np.where(bounded, (low + high) / 2, 0.0).reshape(-1))
         half = jnp.asarray(np.where(bounded, (high - low) / 2, 1.0).reshape(-1))
         low, high = jnp.asarray(low), jnp.asarray(high)
+    latent_size = (config.hidden_sizes[-1] if config.hidden_sizes else
+                   int(np.prod(common.conv_output_shape(obs_shape, config.conv_channels)
+                               if torso == 'conv' else obs_shape)))
     trajectories = bool(config.n_trajectories_per_epoch)
     if trajectories:
         n_envs, steps = config.n_trajectories_per_epoch, max_steps
@@ -551,15 +590,34 @@ def make_agent(config: Config) -> common.Agent:
     total_value_steps = ((config.lr_decay_epochs or config.epochs)
                          * config.value_train_steps_per_epoch)
 
-    def policy(params, obs):
-        """Distribution inputs: logits, or (mean, log_std) in env units."""
-        x = obs.reshape(obs.shape[:obs.ndim - len(obs_shape)] + (obs_size,))
-        out = common.mlp(params['net'], x.astype(jnp.float32))
+    def observe(obs):
+        """Observations as both networks take them."""
+        x = obs.astype(jnp.float32)
+        if config.normalize_observations:
+            x = (x - obs_centre) / obs_half
+        return x
+
+    def policy_and_features(params, obs):
+        """(distribution inputs: logits, or (mean, log_std) in env units; the
+        features the policy's last layer reads)."""
+        features = common.network_features(params['net'], observe(obs), obs_shape)
+        out = common.network_head(params['net'], features)
         if kind == 'discrete':
-            return out
+            return out, features
         mean = centre + half * out
-        log_std = jnp.broadcast_to(params['log_std'] + jnp.log(half), mean.shape)
-        return mean, log_std
+        if sde:
+            # gSDE's noise is features @ W, W ~ N(0, exp(log_std)^2) entrywise:
+            # given the state that is N(0, features^2 @ exp(2 log_std)) per
+            # action dimension. As in gSDE, no gradient reaches the features
+            # through the noise's scale.
+            variance = jax.lax.stop_gradient(features) ** 2 @ jnp.exp(2.0 * params['log_std'])
+            log_std = 0.5 * jnp.log(variance + SDE_VARIANCE_FLOOR) + jnp.log(half)
+        else:
+            log_std = jnp.broadcast_to(params['log_std'] + jnp.log(half), mean.shape)
+        return (mean, log_std), features
+
+    def policy(params, obs):
+        return policy_and_features(params, obs)[0]
 
     def log_prob_and_entropy(params, obs, action):
         inputs = policy(params, obs)
@@ -575,14 +633,34 @@ def make_agent(config: Config) -> common.Agent:
             return jax.random.gumbel(key, shape + (n_outputs,))
         return jax.random.normal(key, shape + (n_outputs,))
 
+    def rollout_noise(key, length, shape):
+        """(gSDE's weight draws or None, per-step noise of `shape` = (steps...,
+        count)): action_noise's, or for gSDE each step's index into the draws,
+        a fresh draw every sde_sample_freq steps (0: one for the rollout)."""
+        if not sde:
+            return None, action_noise(key, shape)
+        every = config.sde_sample_freq or length
+        n_draws = -(-length // every)
+        draws = jax.random.normal(key, (n_draws, shape[-1], latent_size, n_outputs))
+        steps = int(np.prod(shape[:-1]))
+        index = jnp.minimum(jnp.arange(steps) // every, n_draws - 1)
+        return draws, jnp.broadcast_to(index.reshape(shape[:-1] + (1,)), shape)
+
     def act(noise, params, obs, temperature):
         """(action to learn from, action for the env): a Box action is clipped to
-        its bounds for the env only; the log-prob is of the sampled action."""
-        inputs = policy(params, obs)
+        its bounds for the env only; the log-prob is of the sampled action.
+        gSDE's `noise` is the standard-normal weights [..., features, actions]."""
+        inputs, features = policy_and_features(params, obs)
         if kind == 'discrete':
             action = categorical_sample(noise, inputs, temperature)
             return action, action
-        action = gaussian_sample(noise, *inputs, temperature)
+        if sde:
+            weights = jnp.exp(params['log_std']) * noise
+            mean = inputs[0]
+            action = mean + temperature * half * jnp.einsum(
+                '...f,...fa->...a', jax.lax.stop_gradient(features), weights)
+        else:
+            action = gaussian_sample(noise, *inputs, temperature)
         action = action.reshape(action.shape[:-1] + action_shape)
         return action, jnp.clip(action, low, high)
 
@@ -607,8 +685,7 @@ def make_agent(config: Config) -> common.Agent:
 
     def value_net(value_params, obs):
         """The network's output, V / scale, for [..., *obs_shape] observations."""
-        x = obs.reshape(obs.shape[:obs.ndim - len(obs_shape)] + (obs_size,))
-        return common.mlp(value_params, x.astype(jnp.float32))[..., 0]
+        return common.network(value_params, observe(obs), obs_shape)[..., 0]
 
     def env_step(keys, env_state, action, auto_reset=True):
         step = env.step if auto_reset else functools.partial(common.step_first_episode, env)
@@ -622,9 +699,20 @@ def make_agent(config: Config) -> common.Agent:
         With `one_episode`, each env plays until its first done (later steps invalid)."""
         count = episode_return.shape[0]
 
+        # All randomness drawn up front in two calls: each random op compiles
+        # into its own code, and on CPU that compile time dominates short runs.
+        noise_key, env_key = jax.random.split(key)
+        carry = (obs, env_state, episode_return, jnp.ones(count, bool))
+        chunk = min(length, ROLLOUT_CHUNK)
+        n_chunks = -(-length // chunk)
+        draws, noise = rollout_noise(
+            noise_key, length, (length, count) if not one_episode else (n_chunks, chunk, count))
+
         def step(carry, xs):
             obs, env_state, episode_return, active = carry
             noise, env_keys = xs
+            if draws is not None:  # gSDE: this step's weights, per env
+                noise = draws[noise, jnp.arange(count)]
             action, env_action = act(noise, params, obs, temperature)
             next_obs, env_state, reward, terminated, truncated, info = env_step(
                 env_keys, env_state, env_action, auto_reset=not one_episode)
@@ -643,20 +731,12 @@ def make_agent(config: Config) -> common.Agent:
                 active = active & ~done
             return (next_obs, env_state, episode_return, active), record
 
-        # All randomness drawn up front in two calls: each random op compiles
-        # into its own code, and on CPU that compile time dominates short runs.
-        noise_key, env_key = jax.random.split(key)
-        carry = (obs, env_state, episode_return, jnp.ones(count, bool))
         if not one_episode:  # episodes continue: every step is needed
-            noise = action_noise(noise_key, (length, count))
             env_keys = jax.random.split(env_key, length * count).reshape(length, count, -1)
             return jax.lax.scan(step, carry, (noise, env_keys))
         # One episode per env: play in chunks and stop once every env is done
         # (most of max_steps while the policy is still poor). Records of chunks
         # never played stay zero, i.e. invalid steps.
-        chunk = min(length, ROLLOUT_CHUNK)
-        n_chunks = -(-length // chunk)
-        noise = action_noise(noise_key, (n_chunks, chunk, count))
         env_keys = jax.random.split(env_key, n_chunks * chunk * count).reshape(
             n_chunks, chunk, count, -1)
         in_horizon = (jnp.arange(n_chunks * chunk) < length).reshape(n_chunks, chunk)
@@ -700,10 +780,11 @@ def make_agent(config: Config) -> common.Agent:
 
     def init(key, hp):
         net_key, env_key, key = jax.random.split(key, 3)
-        params = {'net': common.init_mlp(net_key, [obs_size, *config.hidden_sizes, n_outputs],
-                                         last_scale=0.01)}
-        if kind == 'box':
-            params['log_std'] = jnp.full((n_outputs,), hp['init_log_std'])
+        params = {'net': common.init_network(net_key, obs_shape, config.hidden_sizes, n_outputs,
+                                             torso, config.conv_channels, last_scale=0.01)}
+        if kind == 'box':  # gSDE: one log std per noise weight
+            params['log_std'] = jnp.full((latent_size, n_outputs) if sde else (n_outputs,),
+                                         hp['init_log_std'])
         if trajectories:  # collect resets every epoch: placeholders of the right shape
             obs, env_state = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype),
                                           jax.eval_shape(lambda k: env_reset(k, n_envs), env_key))
@@ -726,8 +807,8 @@ def make_agent(config: Config) -> common.Agent:
         # A separate value network (Trax's n_shared_layers 0), its last layer
         # small as the policy's, so early targets are about the rewards' scale.
         value_key, key = jax.random.split(key)
-        value_params = common.init_mlp(value_key, [obs_size, *config.hidden_sizes, 1],
-                                       last_scale=0.01)
+        value_params = common.init_network(value_key, obs_shape, config.hidden_sizes, 1, torso,
+                                           config.conv_channels, last_scale=0.01)
         rows = lambda shape, dtype: jnp.zeros((n_envs, steps) + shape, dtype)
         rollout = Rollout(obs=rows(obs_shape, batch.obs.dtype),
                           action=rows(action_shape, batch.action.dtype),
