@@ -794,10 +794,20 @@ def given_flags(parser, argv):
 _SETTINGS_HEADING = 'per-env settings'
 
 
-def _flag_text(value):
-    if isinstance(value, (tuple, list)):
-        return ','.join(str(v) for v in value)
-    return str(value)
+def settings_flags(settings):
+    """{field: value} as the command-line flags that give those values."""
+    flags = []
+    for name, value in settings.items():
+        flag = '--' + name.replace('_', '-').rstrip('-')
+        if isinstance(value, bool):
+            flags.append(flag if value else '--no-' + flag[2:])
+        elif value is None:
+            flags.append(f'{flag} none')
+        elif isinstance(value, (tuple, list)):
+            flags.append(f'{flag} {",".join(str(v) for v in value)}')
+        else:
+            flags.append(f'{flag} {value}')
+    return ' '.join(flags)
 
 
 def env_settings_help(table):
@@ -805,9 +815,7 @@ def env_settings_help(table):
     lines = [f'{_SETTINGS_HEADING} (used when --env is one of these; a flag given on the '
              'command line wins):']
     for env, settings in table.items():
-        flags = ' '.join(f'--{name.replace("_", "-")} {_flag_text(value)}'
-                         for name, value in settings.items())
-        lines.append(f'  {env}: {flags}')
+        lines.append(f'  {env}: {settings_flags(settings)}')
     return '\n'.join(lines if table else lines + ['  (none)'])
 
 
@@ -1643,9 +1651,7 @@ def main(config_cls, make_agent, check_hyperparameters, prog, description, argv=
         if saved is not None:  # resume: what the command line leaves out is the saved run's
             take_saved_config(config_cls, args, saved)
         elif applied and not args.quiet:
-            print(f'{prog}: settings for {args.env}: '
-                  + ' '.join(f'--{name.replace("_", "-")} {_flag_text(value)}'
-                             for name, value in applied.items())
+            print(f'{prog}: settings for {args.env}: {settings_flags(applied)}'
                   + ' (a flag on the command line overrides each)', flush=True)
         config, grid = config_and_grid(config_cls, args)
         check_run_flags(args)

@@ -131,10 +131,12 @@ def run_row(env_name, algo, seeds):
         curve[row, record['run']] = np.nan if value is None else value
         steps[row] = record['rl/n_interactions']
     finals = np.asarray(summary['final_eval_return'], float)
-    mode = config.get('mode') or ('reinforce' if algo == 'pg' else None)
+    mode = None
+    if algo == 'pg':  # the loss, and gSDE where it explores
+        mode = config['policy_loss'] + (', gSDE' if config.get('state_dependent_exploration')
+                                        else '')
     table = getattr(importlib.import_module(algo), 'ENV_SETTINGS', {})  # compiles nothing
-    settings = ' '.join(f'--{name.replace("_", "-")} {common._flag_text(value)}'
-                        for name, value in table.get(env_name, {}).items()) or '(defaults)'
+    settings = common.settings_flags(table.get(env_name, {})) or '(defaults)'
     return {
         'env': env_name, 'algo': algo, 'mode': mode, 'seeds': list(seeds),
         'env_steps_per_seed': int(summary['env_steps_per_seed'][0]),
