@@ -185,7 +185,7 @@ class Config:
 # lr 1e-3 for both networks (theirs 2.5e-4 over 5e5 steps), decaying to 0.
 PPO = {'policy_loss': 'ppo', 'advantage_estimator': 'gae', 'n_trajectories_per_epoch': None,
        'n_interactions_per_epoch': 2048, 'adam_b1': 0.9, 'adam_b2': 0.999,
-       'max_grad_norm': 0.5, 'lr': 1e-3, 'value_lr': 1e-3, 'gamma': 0.99}
+       'max_grad_norm': 0.5, 'lr': 1e-3, 'gamma': 0.99}  # value_lr: the default 1e-3
 PPO_BATCH_256 = {'train_steps_per_epoch': 32, 'batch_size': 256, 'value_batch_size': 256,
                  'value_train_steps_per_epoch': 32}
 ENV_SETTINGS = {
@@ -1109,6 +1109,7 @@ def make_agent(config: Config) -> common.Agent:
                          'or --n-interactions-per-epoch, --max-steps, --batch-size')
     # The actor-critic's pieces, for tests: (hp, state[, key]) -> ...
     agent.value_chunk, agent.ac_advantages, agent.value_net = value_chunk, ac_advantages, value_net
+    agent.policy, agent.act, agent.observe = policy, act, observe
     return agent
 
 
