@@ -543,22 +543,42 @@ def value_loss(predictions, targets, weight):
     return masked_mean((predictions - jax.lax.stop_gradient(targets)) ** 2, weight)
 
 
-def minibatch_indices(key, weight, batch_size, step):
+def pass_order(key, weight, index):
+    """Pass `index`'s random order of the steps, the weighted ones first: the
+    argsort of uniforms drawn from fold_in(key, index)."""
+    noise = jax.random.uniform(jax.random.fold_in(key, index), weight.shape)
+    return jnp.argsort(jnp.where(weight > 0, noise, 2.0))
+
+
+def pass_orders(key, weight, n_passes):
+    """[n_passes, N]: pass_order of passes 0..n_passes-1, drawn together once."""
+    return jax.vmap(lambda index: pass_order(key, weight, index))(jnp.arange(n_passes))
+
+
+def minibatch_indices(key, weight, batch_size, step, orders=None):
     """Step `step`'s minibatch of `batch_size` indices: passes over the weighted
     steps, each pass a fresh random order (PPO's epochs of minibatches), so
-    every step is used once per pass.
+    every step is used once per pass. A pass whose last minibatch runs past
+    the steps wraps to its first ones.
 
-    The order of pass p is drawn from fold_in(key, p): each of its minibatch
-    steps recomputes the same order rather than storing every pass's. A pass
-    whose last minibatch runs past the steps wraps to its first ones.
+    `orders` (pass_orders, when the number of passes is known before
+    training: every step weighted) holds each pass's order; without it each
+    minibatch step recomputes its pass's order (a sort of all the steps, so
+    costly) rather than storing as many orders as there are steps. Both give
+    the same indices.
     """
     chex.assert_rank(weight, 1)
-    valid = weight > 0
-    n_valid = jnp.maximum(jnp.sum(valid), 1)
+    n_valid = jnp.maximum(jnp.sum(weight > 0), 1)
     per_pass = (n_valid + batch_size - 1) // batch_size
-    noise = jax.random.uniform(jax.random.fold_in(key, step // per_pass), weight.shape)
-    order = jnp.argsort(jnp.where(valid, noise, 2.0))  # the weighted steps first
+    order = (pass_order(key, weight, step // per_pass) if orders is None
+             else orders[step // per_pass])
     return order[((step % per_pass) * batch_size + jnp.arange(batch_size)) % n_valid]
+
+
+def passes_needed(n_steps, batch_size, n_rows):
+    """How many passes n_steps minibatch steps make over n_rows steps, all weighted."""
+    per_pass = -(-n_rows // batch_size)
+    return -(-n_steps // per_pass)
 
 
 def clip_by_global_norm(grads, max_norm):
@@ -988,6 +1008,13 @@ def make_agent(config: Config) -> common.Agent:
     def flat(x):  # [n_envs, steps, ...] rows -> [n_envs * steps, ...] steps
         return x.reshape((-1,) + x.shape[2:])
 
+    def minibatch_orders(key, weight, n_steps, batch_size):
+        """Every pass's order up front where every step is weighted (the
+        n_interactions mode), so its minibatch steps sort nothing; None otherwise."""
+        if trajectories or not batch_size:
+            return None
+        return pass_orders(key, weight, passes_needed(n_steps, batch_size, weight.shape[0]))
+
     def ac_advantages(hp, value_params, rollout):
         """(advantages, values), each [n_envs, steps]: the estimator over the
         value network `value_params`, one env's row at a time."""
@@ -1012,11 +1039,13 @@ def make_agent(config: Config) -> common.Agent:
         weight = flat(state.rollout.valid).astype(jnp.float32)
         obs, targets = flat(state.rollout.obs), flat(values + adv) / value_scale(hp)
 
+        orders = minibatch_orders(key, weight, value_chunk_steps, config.value_batch_size)
+
         def step(carry, i):
             value_params, opt_state, n = carry
             batch_obs, batch_targets, batch_weight = obs, targets, weight
             if config.value_batch_size:
-                index = minibatch_indices(key, weight, config.value_batch_size, i)
+                index = minibatch_indices(key, weight, config.value_batch_size, i, orders)
                 batch_obs, batch_targets, batch_weight = obs[index], targets[index], weight[index]
             loss, grads = jax.value_and_grad(
                 lambda p: value_loss(value_net(p, batch_obs), batch_targets, batch_weight))(
@@ -1067,10 +1096,12 @@ def make_agent(config: Config) -> common.Agent:
                'metrics/advantage_std': jnp.sqrt(masked_mean(
                    (adv - masked_mean(adv, weight)) ** 2, weight))}
 
+        orders = minibatch_orders(key, weight, config.train_steps_per_epoch, config.batch_size)
+
         def step(state, i):
             batch = data
             if config.batch_size:
-                index = minibatch_indices(key, weight, config.batch_size, i)
+                index = minibatch_indices(key, weight, config.batch_size, i, orders)
                 batch = jax.tree.map(lambda x: x[index], data)
             grads, metrics = jax.grad(ac_policy_loss, has_aux=True)(state.params, batch, hp)
             grads = clip_by_global_norm(grads, hp['max_grad_norm'])

@@ -988,6 +988,19 @@ def test_minibatches_visit_every_valid_step_once_per_pass():
     assert not np.array_equal(np.concatenate(batches[0:2]), np.concatenate(batches[2:4]))
 
 
+def test_precomputed_pass_orders_give_the_same_minibatches():
+    """With every step weighted the orders are drawn once per epoch
+    (pass_orders); the minibatches are those each step would sort for itself."""
+    weight = jnp.ones(10)
+    key = jax.random.PRNGKey(5)
+    n_passes = pg.passes_needed(7, 4, 10)  # 3 minibatches per pass: 3 passes
+    assert n_passes == 3
+    orders = pg.pass_orders(key, weight, n_passes)
+    for step in range(7):
+        np.testing.assert_array_equal(pg.minibatch_indices(key, weight, 4, step, orders),
+                                      pg.minibatch_indices(key, weight, 4, step))
+
+
 def trained_value(config, obs, epochs):
     agent, state, history, _, _ = run_phases(config, epochs=epochs)
     value_params = jax.tree.map(lambda x: x[0], state.value_params)
