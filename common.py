@@ -302,6 +302,12 @@ def init_mlp(key, sizes, last_scale=1.0):
 
 def mlp(params, x):
     """Apply an MLP made by init_mlp; ReLU between layers, linear output."""
+    return mlp_hidden(params, x) @ params[-1]['w'] + params[-1]['b']
+
+
+def mlp_hidden(params, x):
+    """The features an MLP's last layer reads: every layer but the last, each
+    followed by ReLU (x itself for an MLP with no hidden layer)."""
     check_args(chex.assert_rank, 'mlp', 2, **{f'params[{i}]["w"]': layer['w']
                                               for i, layer in enumerate(params)})
     check_args(chex.assert_rank, 'mlp', 1, **{f'params[{i}]["b"]': layer['b']
@@ -309,7 +315,7 @@ def mlp(params, x):
     check_args(chex.assert_shape, 'mlp', (..., params[0]['w'].shape[0]), x=x)
     for layer in params[:-1]:
         x = jax.nn.relu(x @ layer['w'] + layer['b'])
-    return x @ params[-1]['w'] + params[-1]['b']
+    return x
 
 
 # ---------------------------------------------------------------------------
@@ -400,11 +406,28 @@ def init_network(key, obs_shape, hidden_sizes, n_outputs, torso='mlp',
 
 def network(params, obs, obs_shape):
     """Apply init_network's params to observations [..., *obs_shape] (float32)."""
+    return network_head(params, network_features(params, obs, obs_shape))
+
+
+def network_features(params, obs, obs_shape):
+    """The features init_network's last layer reads (torso, then hidden layers)."""
     obs = jnp.asarray(obs).astype(jnp.float32)
     batch_shape = obs.shape[:obs.ndim - len(obs_shape)]
     if isinstance(params, dict) and 'conv' in params:
-        return mlp(params['mlp'], conv(params['conv'], obs))
-    return mlp(params, obs.reshape(batch_shape + (int(np.prod(obs_shape, dtype=int)),)))
+        return mlp_hidden(params['mlp'], conv(params['conv'], obs))
+    return mlp_hidden(params, obs.reshape(batch_shape + (int(np.prod(obs_shape, dtype=int)),)))
+
+
+def network_head(params, features):
+    """init_network's last (linear) layer on network_features' output."""
+    last = (params['mlp'] if isinstance(params, dict) and 'conv' in params else params)[-1]
+    return features @ last['w'] + last['b']
+
+
+def feature_size(params):
+    """How many features network_features gives for init_network's params."""
+    last = (params['mlp'] if isinstance(params, dict) and 'conv' in params else params)[-1]
+    return int(last['w'].shape[0])
 
 
 # ---------------------------------------------------------------------------
@@ -771,10 +794,20 @@ def given_flags(parser, argv):
 _SETTINGS_HEADING = 'per-env settings'
 
 
-def _flag_text(value):
-    if isinstance(value, (tuple, list)):
-        return ','.join(str(v) for v in value)
-    return str(value)
+def settings_flags(settings):
+    """{field: value} as the command-line flags that give those values."""
+    flags = []
+    for name, value in settings.items():
+        flag = '--' + name.replace('_', '-').rstrip('-')
+        if isinstance(value, bool):
+            flags.append(flag if value else '--no-' + flag[2:])
+        elif value is None:
+            flags.append(f'{flag} none')
+        elif isinstance(value, (tuple, list)):
+            flags.append(f'{flag} {",".join(str(v) for v in value)}')
+        else:
+            flags.append(f'{flag} {value}')
+    return ' '.join(flags)
 
 
 def env_settings_help(table):
@@ -782,9 +815,7 @@ def env_settings_help(table):
     lines = [f'{_SETTINGS_HEADING} (used when --env is one of these; a flag given on the '
              'command line wins):']
     for env, settings in table.items():
-        flags = ' '.join(f'--{name.replace("_", "-")} {_flag_text(value)}'
-                         for name, value in settings.items())
-        lines.append(f'  {env}: {flags}')
+        lines.append(f'  {env}: {settings_flags(settings)}')
     return '\n'.join(lines if table else lines + ['  (none)'])
 
 
@@ -1620,9 +1651,7 @@ def main(config_cls, make_agent, check_hyperparameters, prog, description, argv=
         if saved is not None:  # resume: what the command line leaves out is the saved run's
             take_saved_config(config_cls, args, saved)
         elif applied and not args.quiet:
-            print(f'{prog}: settings for {args.env}: '
-                  + ' '.join(f'--{name.replace("_", "-")} {_flag_text(value)}'
-                             for name, value in applied.items())
+            print(f'{prog}: settings for {args.env}: {settings_flags(applied)}'
                   + ' (a flag on the command line overrides each)', flush=True)
         config, grid = config_and_grid(config_cls, args)
         check_run_flags(args)

@@ -145,10 +145,28 @@ class Config:
         'the first and after each (Trax: 1)', bounds='[1, inf)')
     scale_value_targets: bool = common.option(
         False, 'a2c/ppo: the value network predicts V * (1 - gamma) (Trax: off)')
+    torso: str = common.option(
+        'auto', 'policy (and value) torso: mlp, conv (3x3 convs, ReLU, flatten) or auto '
+        '(conv for [height, width, channels] observations, mlp otherwise)',
+        choices=common.TORSOS)
+    conv_channels: tuple[int, ...] = common.option(
+        (16,), 'conv torso: channels of each 3x3 stride-1 conv (MinAtar paper: 16)',
+        bounds='[1, inf)')
     hidden_sizes: tuple[int, ...] = common.option(
         (64, 64), 'policy (and value) MLP hidden layer sizes', bounds='[1, inf)')
+    normalize_observations: bool = common.option(
+        False, 'map each observation dimension whose Box bounds are finite onto [-1, 1] '
+        'before the networks (MountainCar\'s velocity spans only +-0.07)')
     init_log_std: float = common.option(
-        0.0, 'Box actions: initial log std, in units of half the Box\'s width', sweep=True)
+        0.0, 'Box actions: initial log std, in units of half the Box\'s width (gSDE: of '
+        'each noise weight)', sweep=True)
+    state_dependent_exploration: bool = common.option(
+        False, 'Box actions: gSDE (Raffin et al. 2022): the noise is the policy\'s last '
+        'hidden features times a random weight matrix held for --sde-sample-freq steps, '
+        'so it is smooth in time; off: fresh Gaussian noise every step')
+    sde_sample_freq: int = common.option(
+        0, 'gSDE: steps between draws of the noise weights (0: one draw per epoch\'s '
+        'rollout, as stable-baselines3\'s -1)', bounds='[0, inf)')
     n_eval_episodes: int = common.option(32, 'episodes per evaluation (0: no evaluation)', bounds='[0, inf)')
     eval_steps: Optional[tuple[int, ...]] = common.option(
         None, 'evaluation horizons, e.g. 200,500 (default: max_steps)', bounds='[1, inf)')
@@ -156,6 +174,37 @@ class Config:
         (0.0,), 'evaluation temperatures: 0 argmax / Gaussian mean, T samples logits / T '
         'or std * T', bounds='[0, inf)')
     checkpoint_every: int = common.option(1, 'epochs between checkpoints (and the last)', bounds='[1, inf)')
+
+
+# Per-env settings: the fields that differ from the generic defaults above (the
+# CartPole-v1 REINFORCE ones), used when --env names the env and the flag is
+# not given (a flag on the command line wins). The continuous-control envs
+# take PPO with settings from PureJaxRL's and CleanRL's ppo.py: rollouts of 128
+# steps in each of 16 envs, GAE (lambda 0.95), clip 0.2, passes of minibatches
+# over each rollout, Adam with gradients clipped at global norm 0.5; ours use
+# lr 1e-3 for both networks (theirs 2.5e-4 over 5e5 steps), decaying to 0.
+PPO = {'policy_loss': 'ppo', 'advantage_estimator': 'gae', 'n_trajectories_per_epoch': None,
+       'n_interactions_per_epoch': 2048, 'adam_b1': 0.9, 'adam_b2': 0.999,
+       'max_grad_norm': 0.5, 'lr': 1e-3, 'gamma': 0.99}  # value_lr: the default 1e-3
+PPO_BATCH_256 = {'train_steps_per_epoch': 32, 'batch_size': 256, 'value_batch_size': 256,
+                 'value_train_steps_per_epoch': 32}
+ENV_SETTINGS = {
+    # Swing up and balance: gamma 0.95 (0.99: slower and worse on seeds 0-3).
+    'Pendulum-v1': {**PPO, **PPO_BATCH_256, 'gamma': 0.95, 'epochs': 300},
+    # The goal pays 100 after hundreds of steps; each step costs 0.1 a^2. Fresh
+    # Gaussian noise every step averages out before the car builds a swing,
+    # and every run without gSDE learned to stand still (0) or push one way
+    # (-100). gSDE's noise is a smooth function of the state, so a random
+    # draw of its weights already rocks the car up the hill; observations
+    # mapped onto [-1, 1] (the velocity spans +-0.07) give the features a
+    # velocity term to draw from. Tuned on seeds 8-11.
+    'MountainCarContinuous-v0': {**PPO, **PPO_BATCH_256, 'epochs': 60,
+                                 'normalize_observations': True,
+                                 'state_dependent_exploration': True, 'sde_sample_freq': 32},
+    # Minibatches of 128, 300 epochs (200: -83.7 on seeds 0-7).
+    'Acrobot-v1': {**PPO, 'train_steps_per_epoch': 64, 'batch_size': 128,
+                   'value_batch_size': 128, 'value_train_steps_per_epoch': 64, 'epochs': 300},
+}
 
 
 class Batch(NamedTuple):
@@ -219,6 +268,7 @@ class State(NamedTuple):
 # ---------------------------------------------------------------------------
 
 LOG_2PI = math.log(2 * math.pi)
+SDE_VARIANCE_FLOOR = 1e-6  # added to gSDE's variance (stable-baselines3's epsilon)
 ROLLOUT_CHUNK = 50  # steps between checks that every episode of a rollout is over
 
 
@@ -270,6 +320,19 @@ def gaussian_sample(noise, mean, log_std, temperature):
     if temperature == 0.0:
         return mean
     return mean + temperature * jnp.exp(log_std) * noise
+
+
+def observation_bounds(space, obs_shape):
+    """(centre, half width) of each observation dimension for
+    --normalize-observations: (0, 1), i.e. unchanged, where the Box has no
+    finite bounds (gymnax writes 'unbounded' as float32's largest value)."""
+    low = np.broadcast_to(np.asarray(getattr(space, 'low', -np.inf), np.float64), obs_shape)
+    high = np.broadcast_to(np.asarray(getattr(space, 'high', np.inf), np.float64), obs_shape)
+    bounded = (np.abs(low) < 1e30) & (np.abs(high) < 1e30) & (high > low)
+    low, high = np.where(bounded, low, -1.0), np.where(bounded, high, 1.0)
+    centre = np.where(bounded, (low + high) / 2, 0.0).astype(np.float32)
+    half = np.where(bounded, (high - low) / 2, 1.0).astype(np.float32)
+    return jnp.asarray(centre), jnp.asarray(half)
 
 
 def episode_returns(rewards, dones, valid, gamma):
@@ -480,22 +543,42 @@ def value_loss(predictions, targets, weight):
     return masked_mean((predictions - jax.lax.stop_gradient(targets)) ** 2, weight)
 
 
-def minibatch_indices(key, weight, batch_size, step):
+def pass_order(key, weight, index):
+    """Pass `index`'s random order of the steps, the weighted ones first: the
+    argsort of uniforms drawn from fold_in(key, index)."""
+    noise = jax.random.uniform(jax.random.fold_in(key, index), weight.shape)
+    return jnp.argsort(jnp.where(weight > 0, noise, 2.0))
+
+
+def pass_orders(key, weight, n_passes):
+    """[n_passes, N]: pass_order of passes 0..n_passes-1, drawn together once."""
+    return jax.vmap(lambda index: pass_order(key, weight, index))(jnp.arange(n_passes))
+
+
+def minibatch_indices(key, weight, batch_size, step, orders=None):
     """Step `step`'s minibatch of `batch_size` indices: passes over the weighted
     steps, each pass a fresh random order (PPO's epochs of minibatches), so
-    every step is used once per pass.
+    every step is used once per pass. A pass whose last minibatch runs past
+    the steps wraps to its first ones.
 
-    The order of pass p is drawn from fold_in(key, p): each of its minibatch
-    steps recomputes the same order rather than storing every pass's. A pass
-    whose last minibatch runs past the steps wraps to its first ones.
+    `orders` (pass_orders, when the number of passes is known before
+    training: every step weighted) holds each pass's order; without it each
+    minibatch step recomputes its pass's order (a sort of all the steps, so
+    costly) rather than storing as many orders as there are steps. Both give
+    the same indices.
     """
     chex.assert_rank(weight, 1)
-    valid = weight > 0
-    n_valid = jnp.maximum(jnp.sum(valid), 1)
+    n_valid = jnp.maximum(jnp.sum(weight > 0), 1)
     per_pass = (n_valid + batch_size - 1) // batch_size
-    noise = jax.random.uniform(jax.random.fold_in(key, step // per_pass), weight.shape)
-    order = jnp.argsort(jnp.where(valid, noise, 2.0))  # the weighted steps first
+    order = (pass_order(key, weight, step // per_pass) if orders is None
+             else orders[step // per_pass])
     return order[((step % per_pass) * batch_size + jnp.arange(batch_size)) % n_valid]
+
+
+def passes_needed(n_steps, batch_size, n_rows):
+    """How many passes n_steps minibatch steps make over n_rows steps, all weighted."""
+    per_pass = -(-n_rows // batch_size)
+    return -(-n_steps // per_pass)
 
 
 def clip_by_global_norm(grads, max_norm):
@@ -520,7 +603,11 @@ def make_agent(config: Config) -> common.Agent:
     eval_tags = [(t, h) for t in config.eval_temperatures
                  for h in (config.eval_steps or (max_steps,))]
     obs_shape = tuple(env.observation_space(env_params).shape)
-    obs_size = common.flat_obs_size(env, env_params)
+    torso = common.resolve_torso(config.torso, obs_shape)
+    if torso == 'conv':
+        common.conv_output_shape(obs_shape, config.conv_channels)  # refuses too small
+    obs_centre, obs_half = observation_bounds(env.observation_space(env_params), obs_shape)
+    sde = config.state_dependent_exploration and kind == 'box'
     if kind == 'discrete':
         n_outputs, action_shape = int(action_space.n), ()
     else:
@@ -533,6 +620,9 @@ def make_agent(config: Config) -> common.Agent:
         centre = jnp.asarray(np.where(bounded, (low + high) / 2, 0.0).reshape(-1))
         half = jnp.asarray(np.where(bounded, (high - low) / 2, 1.0).reshape(-1))
         low, high = jnp.asarray(low), jnp.asarray(high)
+    latent_size = (config.hidden_sizes[-1] if config.hidden_sizes else
+                   int(np.prod(common.conv_output_shape(obs_shape, config.conv_channels)
+                               if torso == 'conv' else obs_shape)))
     trajectories = bool(config.n_trajectories_per_epoch)
     if trajectories:
         n_envs, steps = config.n_trajectories_per_epoch, max_steps
@@ -551,15 +641,34 @@ def make_agent(config: Config) -> common.Agent:
     total_value_steps = ((config.lr_decay_epochs or config.epochs)
                          * config.value_train_steps_per_epoch)
 
-    def policy(params, obs):
-        """Distribution inputs: logits, or (mean, log_std) in env units."""
-        x = obs.reshape(obs.shape[:obs.ndim - len(obs_shape)] + (obs_size,))
-        out = common.mlp(params['net'], x.astype(jnp.float32))
+    def observe(obs):
+        """Observations as both networks take them."""
+        x = obs.astype(jnp.float32)
+        if config.normalize_observations:
+            x = (x - obs_centre) / obs_half
+        return x
+
+    def policy_and_features(params, obs):
+        """(distribution inputs: logits, or (mean, log_std) in env units; the
+        features the policy's last layer reads)."""
+        features = common.network_features(params['net'], observe(obs), obs_shape)
+        out = common.network_head(params['net'], features)
         if kind == 'discrete':
-            return out
+            return out, features
         mean = centre + half * out
-        log_std = jnp.broadcast_to(params['log_std'] + jnp.log(half), mean.shape)
-        return mean, log_std
+        if sde:
+            # gSDE's noise is features @ W, W ~ N(0, exp(log_std)^2) entrywise:
+            # given the state that is N(0, features^2 @ exp(2 log_std)) per
+            # action dimension. As in gSDE, no gradient reaches the features
+            # through the noise's scale.
+            variance = jax.lax.stop_gradient(features) ** 2 @ jnp.exp(2.0 * params['log_std'])
+            log_std = 0.5 * jnp.log(variance + SDE_VARIANCE_FLOOR) + jnp.log(half)
+        else:
+            log_std = jnp.broadcast_to(params['log_std'] + jnp.log(half), mean.shape)
+        return (mean, log_std), features
+
+    def policy(params, obs):
+        return policy_and_features(params, obs)[0]
 
     def log_prob_and_entropy(params, obs, action):
         inputs = policy(params, obs)
@@ -575,14 +684,34 @@ def make_agent(config: Config) -> common.Agent:
             return jax.random.gumbel(key, shape + (n_outputs,))
         return jax.random.normal(key, shape + (n_outputs,))
 
+    def rollout_noise(key, length, shape):
+        """(gSDE's weight draws or None, per-step noise of `shape` = (steps...,
+        count)): action_noise's, or for gSDE each step's index into the draws,
+        a fresh draw every sde_sample_freq steps (0: one for the rollout)."""
+        if not sde:
+            return None, action_noise(key, shape)
+        every = config.sde_sample_freq or length
+        n_draws = -(-length // every)
+        draws = jax.random.normal(key, (n_draws, shape[-1], latent_size, n_outputs))
+        steps = int(np.prod(shape[:-1]))
+        index = jnp.minimum(jnp.arange(steps) // every, n_draws - 1)
+        return draws, jnp.broadcast_to(index.reshape(shape[:-1] + (1,)), shape)
+
     def act(noise, params, obs, temperature):
         """(action to learn from, action for the env): a Box action is clipped to
-        its bounds for the env only; the log-prob is of the sampled action."""
-        inputs = policy(params, obs)
+        its bounds for the env only; the log-prob is of the sampled action.
+        gSDE's `noise` is the standard-normal weights [..., features, actions]."""
+        inputs, features = policy_and_features(params, obs)
         if kind == 'discrete':
             action = categorical_sample(noise, inputs, temperature)
             return action, action
-        action = gaussian_sample(noise, *inputs, temperature)
+        if sde:
+            weights = jnp.exp(params['log_std']) * noise
+            mean = inputs[0]
+            action = mean + temperature * half * jnp.einsum(
+                '...f,...fa->...a', jax.lax.stop_gradient(features), weights)
+        else:
+            action = gaussian_sample(noise, *inputs, temperature)
         action = action.reshape(action.shape[:-1] + action_shape)
         return action, jnp.clip(action, low, high)
 
@@ -607,8 +736,7 @@ def make_agent(config: Config) -> common.Agent:
 
     def value_net(value_params, obs):
         """The network's output, V / scale, for [..., *obs_shape] observations."""
-        x = obs.reshape(obs.shape[:obs.ndim - len(obs_shape)] + (obs_size,))
-        return common.mlp(value_params, x.astype(jnp.float32))[..., 0]
+        return common.network(value_params, observe(obs), obs_shape)[..., 0]
 
     def env_step(keys, env_state, action, auto_reset=True):
         step = env.step if auto_reset else functools.partial(common.step_first_episode, env)
@@ -622,9 +750,20 @@ def make_agent(config: Config) -> common.Agent:
         With `one_episode`, each env plays until its first done (later steps invalid)."""
         count = episode_return.shape[0]
 
+        # All randomness drawn up front in two calls: each random op compiles
+        # into its own code, and on CPU that compile time dominates short runs.
+        noise_key, env_key = jax.random.split(key)
+        carry = (obs, env_state, episode_return, jnp.ones(count, bool))
+        chunk = min(length, ROLLOUT_CHUNK)
+        n_chunks = -(-length // chunk)
+        draws, noise = rollout_noise(
+            noise_key, length, (length, count) if not one_episode else (n_chunks, chunk, count))
+
         def step(carry, xs):
             obs, env_state, episode_return, active = carry
             noise, env_keys = xs
+            if draws is not None:  # gSDE: this step's weights, per env
+                noise = draws[noise, jnp.arange(count)]
             action, env_action = act(noise, params, obs, temperature)
             next_obs, env_state, reward, terminated, truncated, info = env_step(
                 env_keys, env_state, env_action, auto_reset=not one_episode)
@@ -643,20 +782,12 @@ def make_agent(config: Config) -> common.Agent:
                 active = active & ~done
             return (next_obs, env_state, episode_return, active), record
 
-        # All randomness drawn up front in two calls: each random op compiles
-        # into its own code, and on CPU that compile time dominates short runs.
-        noise_key, env_key = jax.random.split(key)
-        carry = (obs, env_state, episode_return, jnp.ones(count, bool))
         if not one_episode:  # episodes continue: every step is needed
-            noise = action_noise(noise_key, (length, count))
             env_keys = jax.random.split(env_key, length * count).reshape(length, count, -1)
             return jax.lax.scan(step, carry, (noise, env_keys))
         # One episode per env: play in chunks and stop once every env is done
         # (most of max_steps while the policy is still poor). Records of chunks
         # never played stay zero, i.e. invalid steps.
-        chunk = min(length, ROLLOUT_CHUNK)
-        n_chunks = -(-length // chunk)
-        noise = action_noise(noise_key, (n_chunks, chunk, count))
         env_keys = jax.random.split(env_key, n_chunks * chunk * count).reshape(
             n_chunks, chunk, count, -1)
         in_horizon = (jnp.arange(n_chunks * chunk) < length).reshape(n_chunks, chunk)
@@ -700,10 +831,11 @@ def make_agent(config: Config) -> common.Agent:
 
     def init(key, hp):
         net_key, env_key, key = jax.random.split(key, 3)
-        params = {'net': common.init_mlp(net_key, [obs_size, *config.hidden_sizes, n_outputs],
-                                         last_scale=0.01)}
-        if kind == 'box':
-            params['log_std'] = jnp.full((n_outputs,), hp['init_log_std'])
+        params = {'net': common.init_network(net_key, obs_shape, config.hidden_sizes, n_outputs,
+                                             torso, config.conv_channels, last_scale=0.01)}
+        if kind == 'box':  # gSDE: one log std per noise weight
+            params['log_std'] = jnp.full((latent_size, n_outputs) if sde else (n_outputs,),
+                                         hp['init_log_std'])
         if trajectories:  # collect resets every epoch: placeholders of the right shape
             obs, env_state = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype),
                                           jax.eval_shape(lambda k: env_reset(k, n_envs), env_key))
@@ -726,8 +858,8 @@ def make_agent(config: Config) -> common.Agent:
         # A separate value network (Trax's n_shared_layers 0), its last layer
         # small as the policy's, so early targets are about the rewards' scale.
         value_key, key = jax.random.split(key)
-        value_params = common.init_mlp(value_key, [obs_size, *config.hidden_sizes, 1],
-                                       last_scale=0.01)
+        value_params = common.init_network(value_key, obs_shape, config.hidden_sizes, 1, torso,
+                                           config.conv_channels, last_scale=0.01)
         rows = lambda shape, dtype: jnp.zeros((n_envs, steps) + shape, dtype)
         rollout = Rollout(obs=rows(obs_shape, batch.obs.dtype),
                           action=rows(action_shape, batch.action.dtype),
@@ -876,6 +1008,13 @@ def make_agent(config: Config) -> common.Agent:
     def flat(x):  # [n_envs, steps, ...] rows -> [n_envs * steps, ...] steps
         return x.reshape((-1,) + x.shape[2:])
 
+    def minibatch_orders(key, weight, n_steps, batch_size):
+        """Every pass's order up front where every step is weighted (the
+        n_interactions mode), so its minibatch steps sort nothing; None otherwise."""
+        if trajectories or not batch_size:
+            return None
+        return pass_orders(key, weight, passes_needed(n_steps, batch_size, weight.shape[0]))
+
     def ac_advantages(hp, value_params, rollout):
         """(advantages, values), each [n_envs, steps]: the estimator over the
         value network `value_params`, one env's row at a time."""
@@ -900,11 +1039,13 @@ def make_agent(config: Config) -> common.Agent:
         weight = flat(state.rollout.valid).astype(jnp.float32)
         obs, targets = flat(state.rollout.obs), flat(values + adv) / value_scale(hp)
 
+        orders = minibatch_orders(key, weight, value_chunk_steps, config.value_batch_size)
+
         def step(carry, i):
             value_params, opt_state, n = carry
             batch_obs, batch_targets, batch_weight = obs, targets, weight
             if config.value_batch_size:
-                index = minibatch_indices(key, weight, config.value_batch_size, i)
+                index = minibatch_indices(key, weight, config.value_batch_size, i, orders)
                 batch_obs, batch_targets, batch_weight = obs[index], targets[index], weight[index]
             loss, grads = jax.value_and_grad(
                 lambda p: value_loss(value_net(p, batch_obs), batch_targets, batch_weight))(
@@ -955,10 +1096,12 @@ def make_agent(config: Config) -> common.Agent:
                'metrics/advantage_std': jnp.sqrt(masked_mean(
                    (adv - masked_mean(adv, weight)) ** 2, weight))}
 
+        orders = minibatch_orders(key, weight, config.train_steps_per_epoch, config.batch_size)
+
         def step(state, i):
             batch = data
             if config.batch_size:
-                index = minibatch_indices(key, weight, config.batch_size, i)
+                index = minibatch_indices(key, weight, config.batch_size, i, orders)
                 batch = jax.tree.map(lambda x: x[index], data)
             grads, metrics = jax.grad(ac_policy_loss, has_aux=True)(state.params, batch, hp)
             grads = clip_by_global_norm(grads, hp['max_grad_norm'])
@@ -997,6 +1140,7 @@ def make_agent(config: Config) -> common.Agent:
                          'or --n-interactions-per-epoch, --max-steps, --batch-size')
     # The actor-critic's pieces, for tests: (hp, state[, key]) -> ...
     agent.value_chunk, agent.ac_advantages, agent.value_net = value_chunk, ac_advantages, value_net
+    agent.policy, agent.act, agent.observe = policy, act, observe
     return agent
 
 
@@ -1039,7 +1183,7 @@ def check_hyperparameters(config, runs):
 
 def main(argv=None):
     return common.main(Config, make_agent, check_hyperparameters, 'pg.py',
-                       __doc__.split('\n\n')[0], argv)
+                       __doc__.split('\n\n')[0], argv, env_settings=ENV_SETTINGS)
 
 
 if __name__ == '__main__':

@@ -5,7 +5,8 @@ observation: a 5x5x2 grid with one lit cell, in channel 0 (reward +1) or in
 channel 1 (reward -1), at a random place; the episode ends after one step,
 whatever the action. So Q(s, a) = +1 or -1 by the lit channel, and an agent
 learns it only if its torso (conv for rank-3 observations) reads channels at
-every position.
+every position. ImageChannelProbe shows the same images and pays +1 for the
+action that names the lit channel, -1 for the other: the policy's probe.
 """
 
 import gymnax
@@ -75,6 +76,22 @@ class ImageSignProbe(environment.Environment):
         return spaces.Box(0.0, 1.0, IMAGE_SHAPE, jnp.float32)
 
 
+class ImageChannelProbe(ImageSignProbe):
+    """The same observations; the action must name the lit channel: action 0
+    for channel 0, 1 for channel 1 pays +1, the other -1. A policy learns it
+    only if its torso reads the channels at every position."""
+
+    def step_env(self, key, state, action, params):
+        reward = jnp.where(action == jnp.where(state.sign > 0, 0, 1), 1.0, -1.0)
+        state = state.replace(time=state.time + 1)
+        return self.get_obs(state), state, reward.astype(jnp.float32), jnp.asarray(True), {}
+
+
+IMAGE_CHANNEL_PROBE = 'ImageChannelProbe-test'
+
+
 def register():
-    if IMAGE_PROBE not in gymnax.registered_envs:
-        gymnax.register(IMAGE_PROBE, ImageSignProbe)
+    for name, factory in ((IMAGE_PROBE, ImageSignProbe),
+                          (IMAGE_CHANNEL_PROBE, ImageChannelProbe)):
+        if name not in gymnax.registered_envs:
+            gymnax.register(name, factory)

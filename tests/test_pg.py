@@ -4,6 +4,7 @@ argument); probe environments with a known best action, the cut-off rule of
 n_interactions mode, seeds, determinism, CartPole-v1 learning and one epoch on
 every registered gymnax env."""
 
+import dataclasses
 import json
 import os
 import sys
@@ -24,10 +25,12 @@ sys.path.insert(0, ROOT)
 
 import common  # noqa: E402
 import pg  # noqa: E402
+import probe_envs  # noqa: E402
 from contracts import assert_contracts_trace_to_nothing  # noqa: E402
 
 # The gymnax envs before this file registers its probes.
-GYMNAX_ENVS = [name for name in gymnax.registered_envs if not name.startswith('PgProbe')]
+GYMNAX_ENVS = [name for name in gymnax.registered_envs
+               if not name.startswith('PgProbe') and not name.endswith('-test')]
 
 
 # ---------------------------------------------------------------------------
@@ -985,6 +988,19 @@ def test_minibatches_visit_every_valid_step_once_per_pass():
     assert not np.array_equal(np.concatenate(batches[0:2]), np.concatenate(batches[2:4]))
 
 
+def test_precomputed_pass_orders_give_the_same_minibatches():
+    """With every step weighted the orders are drawn once per epoch
+    (pass_orders); the minibatches are those each step would sort for itself."""
+    weight = jnp.ones(10)
+    key = jax.random.PRNGKey(5)
+    n_passes = pg.passes_needed(7, 4, 10)  # 3 minibatches per pass: 3 passes
+    assert n_passes == 3
+    orders = pg.pass_orders(key, weight, n_passes)
+    for step in range(7):
+        np.testing.assert_array_equal(pg.minibatch_indices(key, weight, 4, step, orders),
+                                      pg.minibatch_indices(key, weight, 4, step))
+
+
 def trained_value(config, obs, epochs):
     agent, state, history, _, _ = run_phases(config, epochs=epochs)
     value_params = jax.tree.map(lambda x: x[0], state.value_params)
@@ -1086,3 +1102,165 @@ def test_ppo_gaussian_probe_converges_to_the_best_continuous_action():
     assert float(common.mlp(net, jnp.ones(2))[0]) == pytest.approx(0.5, abs=0.1)
     assert float(history[-1][common.eval_key(0.0, 1)][0]) > -0.01
     assert 0 <= float(history[-1]['metrics/clip_fraction'][0]) <= 1
+
+
+# ---------------------------------------------------------------------------
+# gSDE, observation normalisation, the conv torso, per-env settings.
+# ---------------------------------------------------------------------------
+
+
+def first_run(tree):
+    return jax.tree.map(lambda x: x[0], tree)
+
+
+def numpy_hidden(net, obs):
+    """The policy MLP's last hidden features, in numpy."""
+    x = np.asarray(obs, np.float64)
+    for layer in net[:-1]:
+        x = np.maximum(x @ np.asarray(layer['w'], np.float64) + np.asarray(layer['b']), 0.0)
+    return x
+
+
+def test_sde_policy_is_the_gaussian_of_features_times_random_weights():
+    """gSDE: action = mean + features @ (exp(log_std) * z), z ~ N(0, 1) per
+    weight, so given the state it is N(mean, features^2 @ exp(2 log_std)); the
+    log-prob uses that variance, and no gradient reaches the network through it."""
+    config = pg.Config(env='PgProbe-BoxTarget', hidden_sizes=(5, 3), n_eval_episodes=0,
+                       state_dependent_exploration=True)
+    agent = pg.make_agent(config)
+    state = agent.init(jax.random.PRNGKey(0), single_hp(config))
+    keys = jax.random.split(jax.random.PRNGKey(1), 3)
+    params = dict(state.params, log_std=0.3 * jax.random.normal(keys[0], (3, 1)))
+    assert state.params['log_std'].shape == (3, 1)  # one per feature x action
+    obs = jax.random.normal(keys[1], (4, 2))
+    features = numpy_hidden(params['net'], obs)
+    last = params['net'][-1]
+    mean = features @ np.asarray(last['w'], np.float64) + np.asarray(last['b'])
+    variance = features ** 2 @ np.exp(2 * np.asarray(params['log_std'], np.float64))
+    got_mean, got_log_std = agent.policy(params, obs)
+    np.testing.assert_allclose(got_mean, mean, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(np.exp(2 * got_log_std), variance + pg.SDE_VARIANCE_FLOOR,
+                               rtol=1e-5)
+    z = jax.random.normal(keys[2], (4, 3, 1))
+    action, env_action = agent.act(z, params, obs, 1.0)
+    expected = mean + np.einsum('nf,nfa->na', features,
+                                np.exp(np.asarray(params['log_std'], np.float64)) * z)
+    np.testing.assert_allclose(action, expected, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(env_action, np.clip(expected, -1, 1), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(agent.act(z, params, obs, 0.0)[0], mean, rtol=1e-5, atol=1e-7)
+    grads = jax.grad(lambda p: agent.policy(p, obs)[1].sum())(params)
+    assert all(float(jnp.abs(g).max()) == 0 for g in jax.tree.leaves(grads['net']))
+    assert float(jnp.abs(grads['log_std']).max()) > 0
+
+
+@pytest.mark.parametrize('freq, blocks', [(4, [[0, 4], [4, 8]]), (0, [[0, 8]])])
+def test_sde_weights_are_held_for_sde_sample_freq_steps(freq, blocks):
+    """BoxTarget's observation never changes, so action - mean is the noise
+    weights' draw itself: constant over each --sde-sample-freq block of an
+    env's steps (0: the whole epoch's rollout), fresh across blocks and envs."""
+    config = ac_config(env='PgProbe-BoxTarget', policy_loss='ppo', max_steps=None,
+                       n_trajectories_per_epoch=None, n_envs=2, n_interactions_per_epoch=16,
+                       hidden_sizes=(4,), state_dependent_exploration=True,
+                       sde_sample_freq=freq)
+    agent = pg.make_agent(config)
+    hp = single_hp(config)
+    state, _ = agent.collect(hp, agent.init(jax.random.PRNGKey(0), hp))
+    mean, _ = agent.policy(state.params, jnp.ones(2))
+    noise = np.asarray(state.rollout.action[..., 0] - mean[0])  # [env, step]
+    firsts = []
+    for start, stop in blocks:
+        block = noise[:, start:stop]
+        np.testing.assert_allclose(block, block[:, :1].repeat(stop - start, 1), atol=1e-6)
+        firsts.append(block[:, 0])
+    firsts = np.concatenate(firsts)
+    assert len(np.unique(np.round(firsts, 5))) == len(firsts)  # every draw its own
+    assert np.all(np.abs(firsts) > 1e-4)
+
+
+def test_observation_bounds_and_normalisation():
+    env, env_params = common.make_env('MountainCarContinuous-v0')
+    centre, half = pg.observation_bounds(env.observation_space(env_params), (2,))
+    np.testing.assert_allclose(centre, [-0.3, 0.0], atol=1e-6)
+    np.testing.assert_allclose(half, [0.9, 0.07], rtol=1e-6)
+    # CartPole's velocities are unbounded (float32's largest value): left as they are.
+    env, env_params = common.make_env('CartPole-v1')
+    centre, half = pg.observation_bounds(env.observation_space(env_params), (4,))
+    np.testing.assert_allclose(centre, np.zeros(4))
+    np.testing.assert_allclose(half, [4.8, 1.0, 0.41887903, 1.0], rtol=1e-6)
+    agent = pg.make_agent(pg.Config(env='MountainCarContinuous-v0', normalize_observations=True))
+    np.testing.assert_allclose(agent.observe(jnp.array([[-1.2, -0.07], [0.6, 0.07]])),
+                               [[-1, -1], [1, 1]], atol=1e-6)
+    plain = pg.make_agent(pg.Config(env='MountainCarContinuous-v0'))
+    np.testing.assert_array_equal(plain.observe(jnp.array([0.6, 0.07])),
+                                  np.float32([0.6, 0.07]))
+
+
+def test_gsde_ppo_solves_mountain_car_continuous():
+    """The env's settings (PPO, gSDE, observations on [-1, 1]) on seed 0: the
+    goal pays 100 minus the pushes; standing still gets 0."""
+    settings = {**pg.ENV_SETTINGS['MountainCarContinuous-v0'], 'n_eval_episodes': 4}
+    config = pg.Config(env='MountainCarContinuous-v0', **settings)
+    agent, state, history, _, _ = run_phases(config, epochs=config.epochs)
+    key = common.eval_key(0.0, 999)
+    assert abs(float(history[0][key][0])) < 50  # the first greedy policy barely moves
+    assert float(history[-1][key][0]) >= 90
+
+
+def test_policy_learns_the_image_probe_through_the_conv_torso():
+    """REINFORCE with --torso auto on 5x5x2 images: conv for the policy, which
+    must name the lit channel wherever the cell is."""
+    probe_envs.register()
+    config = probe_config(probe_envs.IMAGE_CHANNEL_PROBE, epochs=40, n_trajectories_per_epoch=32,
+                          conv_channels=(4,), lr=0.02, n_eval_episodes=64)
+    agent, state, history, _, _ = run_phases(config, epochs=config.epochs)
+    net = first_run(state.params['net'])
+    assert set(net) == {'conv', 'mlp'} and net['conv'][0]['w'].shape == (3, 3, 2, 4)
+    assert float(history[-1][common.eval_key(*agent.eval_tags[0])][0]) == 1.0
+    cells = jnp.arange(25)
+    obs = jnp.concatenate([jax.vmap(probe_envs.image_observation, (0, None))(cells, 1.0),
+                           jax.vmap(probe_envs.image_observation, (0, None))(cells, -1.0)])
+    logits = np.asarray(agent.policy(first_run(state.params), obs))
+    np.testing.assert_array_equal(np.argmax(logits, -1), [0] * 25 + [1] * 25)
+
+
+def test_value_network_learns_the_image_probe_through_the_conv_torso():
+    """A2C's value network, conv torso: V = +1 or -1 by the lit channel, at every cell."""
+    probe_envs.register()
+    config = ac_config(env=probe_envs.IMAGE_PROBE, epochs=20, n_trajectories_per_epoch=32,
+                       max_steps=None, hidden_sizes=(16,), conv_channels=(4,),
+                       advantage_estimator='monte_carlo', value_train_steps_per_epoch=20,
+                       value_lr=0.01, gamma=0.9)
+    cells = jnp.arange(25)
+    obs = jnp.concatenate([jax.vmap(probe_envs.image_observation, (0, None))(cells, 1.0),
+                           jax.vmap(probe_envs.image_observation, (0, None))(cells, -1.0)])
+    values, _ = trained_value(config, obs, config.epochs)
+    np.testing.assert_allclose(values, [1.0] * 25 + [-1.0] * 25, atol=0.1)
+
+
+def test_env_settings_table_names_real_fields_and_valid_configs():
+    fields = {field.name: field for field in dataclasses.fields(pg.Config)}
+    for name, settings in pg.ENV_SETTINGS.items():
+        assert name in GYMNAX_ENVS, name
+        for field, value in settings.items():
+            assert field in fields, (name, field)
+            assert value != fields[field].default, f'{name}: {field} is the default'
+        pg.check_config(dataclasses.replace(pg.Config(env=name), **settings))
+
+
+def test_env_settings_apply_flags_override_and_config_records(tmp_path, capsys):
+    """MountainCarContinuous-v0's settings, one tiny epoch: the settings line
+    shows them as flags one can type; flags given win; config.json resolves."""
+    out = tmp_path / 'run'
+    pg.main(['--env', 'MountainCarContinuous-v0', '--epochs', '1', '--n-envs', '2',
+             '--n-interactions-per-epoch', '8', '--batch-size', '4', '--value-batch-size', '4',
+             '--train-steps-per-epoch', '2', '--value-train-steps-per-epoch', '2',
+             '--n-eval-episodes', '0', '--no-state-dependent-exploration',
+             '--compile-cache', 'none', '--no-tensorboard', '--output-dir', str(out)])
+    printed = capsys.readouterr().out.splitlines()[0]
+    assert printed.startswith('pg.py: settings for MountainCarContinuous-v0: ')
+    assert '--policy-loss ppo' in printed and '--n-trajectories-per-epoch none' in printed
+    assert '--normalize-observations ' in printed and 'state-dependent' not in printed
+    config = json.loads((out / 'config.json').read_text())
+    assert config['policy_loss'] == 'ppo' and config['normalize_observations'] is True
+    assert config['sde_sample_freq'] == 32 and config['n_trajectories_per_epoch'] is None
+    assert config['state_dependent_exploration'] is False and config['epochs'] == 1
