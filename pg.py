@@ -188,6 +188,15 @@ PPO = {'policy_loss': 'ppo', 'advantage_estimator': 'gae', 'n_trajectories_per_e
        'max_grad_norm': 0.5, 'lr': 1e-3, 'gamma': 0.99}  # value_lr: the default 1e-3
 PPO_BATCH_256 = {'train_steps_per_epoch': 32, 'batch_size': 256, 'value_batch_size': 256,
                  'value_train_steps_per_epoch': 32}
+# MinAtar (10x10xC grids, the conv torso by --torso auto, dense 128 as the
+# MinAtar paper's network): PPO with Trax's entropy bonus 0.01 and PureJaxRL's
+# MinAtar rollouts shrunk to a CPU budget of about 5 minutes for 4 seeds: 32
+# envs x 128 steps per epoch, 60 epochs (246k steps per seed; PureJaxRL runs
+# 1e7). Untuned: a first setting, run once on seeds 0-3 (docs/results.md).
+MINATAR = {**PPO, 'hidden_sizes': (128,), 'n_envs': 32, 'n_interactions_per_epoch': 4096,
+           'train_steps_per_epoch': 32, 'batch_size': 512, 'value_batch_size': 512,
+           'value_train_steps_per_epoch': 32, 'entropy_coeff': 0.01, 'epochs': 60,
+           'n_eval_episodes': 8}
 ENV_SETTINGS = {
     # Swing up and balance: gamma 0.95 (0.99: slower and worse on seeds 0-3).
     'Pendulum-v1': {**PPO, **PPO_BATCH_256, 'gamma': 0.95, 'epochs': 300},
@@ -204,6 +213,8 @@ ENV_SETTINGS = {
     # Minibatches of 128, 300 epochs (200: -83.7 on seeds 0-7).
     'Acrobot-v1': {**PPO, 'train_steps_per_epoch': 64, 'batch_size': 128,
                    'value_batch_size': 128, 'value_train_steps_per_epoch': 64, 'epochs': 300},
+    **{name: MINATAR for name in ('Asterix-MinAtar', 'Breakout-MinAtar', 'Freeway-MinAtar',
+                                  'SpaceInvaders-MinAtar', 'Seaquest-MinAtar')},
 }
 
 
