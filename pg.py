@@ -103,7 +103,9 @@ class Config:
     adam_b2: float = common.option(0.99, 'Adam second-moment decay (Trax: 0.999)', sweep=True, bounds='[0, 1)')
     gamma: float = common.option(0.995, 'discount factor in (0, 1] (Trax: 0.99)', sweep=True, bounds='(0, 1]')
     normalize_advantages: bool = common.option(
-        True, 'A <- (A - mean A) / (std A + 1e-5) over the batch (Trax: on)')
+        True, 'A <- (A - mean A) / (std A + 1e-5) over the batch (Trax: on; a2c/ppo: '
+        'factor * (A - mean) / (std + epsilon) per minibatch, Trax\'s '
+        '--advantage-normalization)', aliases=('--advantage-normalization',))
     entropy_coeff: float = common.option(
         0.0, 'loss -= this * mean policy entropy (Trax: 0.01 for a2c and ppo, none for '
         'reinforce; here 0 for all three, so a flag means the same for each loss)', sweep=True,
