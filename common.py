@@ -478,7 +478,7 @@ def multifactor(factors='constant * linear_warmup * rsqrt_decay', constant=0.1,
 # ---------------------------------------------------------------------------
 
 
-def option(default, help, sweep=False, bounds=None, choices=None):
+def option(default, help, sweep=False, bounds=None, choices=None, aliases=()):
     """A config field with its --help line and its constraint.
 
     `sweep`: the flag takes a comma list (a grid over runs). `bounds`: an
@@ -486,11 +486,13 @@ def option(default, help, sweep=False, bounds=None, choices=None):
     tuple entry, each sweep value); an int field without bounds still must fit
     int32. Every float must be finite, unless its bounds close on inf ('[0,
     inf]'). `choices`: the allowed strings. `check_fields` enforces them all.
+    `aliases`: other flag names for the field (Trax's name, where ours differs).
     """
     if bounds is not None:
         Bounds.parse(bounds)  # a malformed interval fails at import, not at run time
     return dataclasses.field(default=default, metadata={
-        'help': help, 'sweep': sweep, 'bounds': bounds, 'choices': choices})
+        'help': help, 'sweep': sweep, 'bounds': bounds, 'choices': choices,
+        'aliases': tuple(aliases)})
 
 
 INT32_MAX = 2 ** 31 - 1  # counters and sizes live in int32 arrays
@@ -700,6 +702,7 @@ def build_parser(config_cls, prog, description, env_settings=None):
         # A name that is a Python keyword plus '_' (Trax's `lambda_`) is typed
         # without the underscore: --lambda (the literal --lambda- works too).
         flags = [flag.rstrip('-'), flag] if field.name.endswith('_') else [flag]
+        flags += list(field.metadata.get('aliases', ()))
         kind, is_tuple, optional = _base_type(hints[field.name])
         help_text = field.metadata.get('help', '')
         constraint = constraint_text(field, kind)

@@ -103,7 +103,9 @@ class Config:
     adam_b2: float = common.option(0.99, 'Adam second-moment decay (Trax: 0.999)', sweep=True, bounds='[0, 1)')
     gamma: float = common.option(0.995, 'discount factor in (0, 1] (Trax: 0.99)', sweep=True, bounds='(0, 1]')
     normalize_advantages: bool = common.option(
-        True, 'A <- (A - mean A) / (std A + 1e-5) over the batch (Trax: on)')
+        True, 'A <- (A - mean A) / (std A + 1e-5) over the batch (Trax: on; a2c/ppo: '
+        'factor * (A - mean) / (std + epsilon) per minibatch, Trax\'s '
+        '--advantage-normalization)', aliases=('--advantage-normalization',))
     entropy_coeff: float = common.option(
         0.0, 'loss -= this * mean policy entropy (Trax: 0.01 for a2c and ppo, none for '
         'reinforce; here 0 for all three, so a flag means the same for each loss)', sweep=True,
@@ -188,6 +190,15 @@ PPO = {'policy_loss': 'ppo', 'advantage_estimator': 'gae', 'n_trajectories_per_e
        'max_grad_norm': 0.5, 'lr': 1e-3, 'gamma': 0.99}  # value_lr: the default 1e-3
 PPO_BATCH_256 = {'train_steps_per_epoch': 32, 'batch_size': 256, 'value_batch_size': 256,
                  'value_train_steps_per_epoch': 32}
+# MinAtar (10x10xC grids, the conv torso by --torso auto, dense 128 as the
+# MinAtar paper's network): PPO with Trax's entropy bonus 0.01 and PureJaxRL's
+# MinAtar rollouts shrunk to a CPU budget of about 5 minutes for 4 seeds: 32
+# envs x 128 steps per epoch, 60 epochs (246k steps per seed; PureJaxRL runs
+# 1e7). Untuned: a first setting, run once on seeds 0-3 (docs/results.md).
+MINATAR = {**PPO, 'hidden_sizes': (128,), 'n_envs': 32, 'n_interactions_per_epoch': 4096,
+           'train_steps_per_epoch': 32, 'batch_size': 512, 'value_batch_size': 512,
+           'value_train_steps_per_epoch': 32, 'entropy_coeff': 0.01, 'epochs': 60,
+           'n_eval_episodes': 8}
 ENV_SETTINGS = {
     # Swing up and balance: gamma 0.95 (0.99: slower and worse on seeds 0-3).
     'Pendulum-v1': {**PPO, **PPO_BATCH_256, 'gamma': 0.95, 'epochs': 300},
@@ -204,6 +215,8 @@ ENV_SETTINGS = {
     # Minibatches of 128, 300 epochs (200: -83.7 on seeds 0-7).
     'Acrobot-v1': {**PPO, 'train_steps_per_epoch': 64, 'batch_size': 128,
                    'value_batch_size': 128, 'value_train_steps_per_epoch': 64, 'epochs': 300},
+    **{name: MINATAR for name in ('Asterix-MinAtar', 'Breakout-MinAtar', 'Freeway-MinAtar',
+                                  'SpaceInvaders-MinAtar', 'Seaquest-MinAtar')},
 }
 
 

@@ -1087,6 +1087,11 @@ def test_lambda_flag_and_actor_critic_defaults():
     assert pg.estimator_name(config) == 'td_lambda'  # Trax's actor-critic default
     assert pg.estimator_name(pg.Config()) == 'mean_return'  # REINFORCE's baseline
     assert pg.Config().policy_loss == 'reinforce' and pg.Config().entropy_coeff == 0.0
+    # Trax's name for the normalisation switch is an alias of ours.
+    for argv, value in ((['--no-advantage-normalization'], False),
+                        (['--advantage-normalization'], True), (['--no-normalize-advantages'], False)):
+        config, _ = common.config_and_grid(pg.Config, parser.parse_args(argv))
+        assert config.normalize_advantages is value
 
 
 def test_ppo_gaussian_probe_converges_to_the_best_continuous_action():
