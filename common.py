@@ -822,12 +822,20 @@ def env_settings_help(table):
     return '\n'.join(lines if table else lines + ['  (none)'])
 
 
-def apply_env_settings(config_cls, args, table):
+def apply_env_settings(config_cls, args, table, mode_field=None):
     """Set on `args` the settings of args.env that no command-line flag gave;
-    -> {field: value} of those applied. Refuses a table naming no such field."""
+    -> {field: value} of those applied. Refuses a table naming no such field.
+
+    `mode_field` (pg.py's policy_loss): an entry that sets it was tuned for
+    that algorithm; when the command line asks for another, none of the entry
+    applies (its other fields belong to that algorithm) -> None."""
     names = {field.name for field in dataclasses.fields(config_cls)}
+    entry = (table or {}).get(args.env, {})
+    if (mode_field in entry and mode_field in getattr(args, 'given', set())
+            and getattr(args, mode_field) != entry[mode_field]):
+        return None
     applied = {}
-    for name, value in (table or {}).get(args.env, {}).items():
+    for name, value in entry.items():
         if name not in names:
             raise ValueError(f'env settings for {args.env}: no config field {name!r}')
         if name not in getattr(args, 'given', set()):
@@ -1639,7 +1647,7 @@ def config_differences(saved, current):
 
 
 def main(config_cls, make_agent, check_hyperparameters, prog, description, argv=None,
-         env_settings=None):
+         env_settings=None, settings_mode_field=None):
     """The command line of dqn.py / pg.py: parse flags, then fill in the flags
     not given: from the env's settings, and on resume from the saved config
     (defaults < env settings < saved config < flags given); check every run's
@@ -1647,7 +1655,7 @@ def main(config_cls, make_agent, check_hyperparameters, prog, description, argv=
     parser = build_parser(config_cls, prog, description, env_settings)
     args = parser.parse_args(argv)
     args.given = given_flags(parser, argv)
-    applied = apply_env_settings(config_cls, args, env_settings)
+    applied = apply_env_settings(config_cls, args, env_settings, settings_mode_field)
     try:
         saved = saved_run_config(args.output_dir)
         args.sees_saved_run = saved is not None  # processes must agree (check_same_flags)
@@ -1656,6 +1664,11 @@ def main(config_cls, make_agent, check_hyperparameters, prog, description, argv=
         elif applied and not args.quiet:
             print(f'{prog}: settings for {args.env}: {settings_flags(applied)}'
                   + ' (a flag on the command line overrides each)', flush=True)
+        elif applied is None and not args.quiet:
+            mode = settings_flags({settings_mode_field: env_settings[args.env][settings_mode_field]})
+            print(f'{prog}: the settings for {args.env} are for {mode}: not applied to '
+                  f'{settings_flags({settings_mode_field: getattr(args, settings_mode_field)})}',
+                  flush=True)
         config, grid = config_and_grid(config_cls, args)
         check_run_flags(args)
         check_fields(config, grid)

@@ -48,8 +48,8 @@ Trax treats both as terminal.
 
     python pg.py --seed 0                 # CartPole-v1, greedy return 500
     python pg.py --num-seeds 8            # 8 seeds in one vmapped program
-    python pg.py --env Acrobot-v1 --max-steps 1000 --eval-steps 500 --lr 3e-3 --num-seeds 8
-    python pg.py --env Pendulum-v1 --gamma 0.95 --epochs 200 --lr 3e-3 --num-seeds 8
+    python pg.py --env Pendulum-v1 --num-seeds 8      # the env's settings: PPO
+    python pg.py --env Pendulum-v1 --policy-loss reinforce --gamma 0.95 --epochs 200 --lr 3e-3
 """
 
 import dataclasses
@@ -180,8 +180,9 @@ class Config:
 
 # Per-env settings: the fields that differ from the generic defaults above (the
 # CartPole-v1 REINFORCE ones), used when --env names the env and the flag is
-# not given (a flag on the command line wins). The continuous-control envs
-# take PPO with settings from PureJaxRL's and CleanRL's ppo.py: rollouts of 128
+# not given (a flag on the command line wins). An entry is for the
+# --policy-loss it names: `--policy-loss reinforce --env Pendulum-v1` uses
+# none of Pendulum's PPO entry. The continuous-control envs take PPO with settings from PureJaxRL's and CleanRL's ppo.py: rollouts of 128
 # steps in each of 16 envs, GAE (lambda 0.95), clip 0.2, passes of minibatches
 # over each rollout, Adam with gradients clipped at global norm 0.5; ours use
 # lr 1e-3 for both networks (theirs 2.5e-4 over 5e5 steps), decaying to 0.
@@ -1196,7 +1197,8 @@ def check_hyperparameters(config, runs):
 
 def main(argv=None):
     return common.main(Config, make_agent, check_hyperparameters, 'pg.py',
-                       __doc__.split('\n\n')[0], argv, env_settings=ENV_SETTINGS)
+                       __doc__.split('\n\n')[0], argv, env_settings=ENV_SETTINGS,
+                       settings_mode_field='policy_loss')
 
 
 if __name__ == '__main__':

@@ -1269,3 +1269,18 @@ def test_env_settings_apply_flags_override_and_config_records(tmp_path, capsys):
     assert config['policy_loss'] == 'ppo' and config['normalize_observations'] is True
     assert config['sde_sample_freq'] == 32 and config['n_trajectories_per_epoch'] is None
     assert config['state_dependent_exploration'] is False and config['epochs'] == 1
+
+
+def test_env_settings_are_for_their_policy_loss(tmp_path, capsys):
+    """Asking for another --policy-loss than an entry's uses none of it (its
+    estimator, gae, would otherwise be refused for REINFORCE), and says so."""
+    out = tmp_path / 'run'
+    pg.main(['--env', 'Pendulum-v1', '--policy-loss', 'reinforce', '--epochs', '1',
+             '--n-trajectories-per-epoch', '2', '--max-steps', '10', '--n-eval-episodes', '0',
+             '--compile-cache', 'none', '--no-tensorboard', '--output-dir', str(out)])
+    printed = capsys.readouterr().out.splitlines()[0]
+    assert printed == ('pg.py: the settings for Pendulum-v1 are for --policy-loss ppo: not '
+                       'applied to --policy-loss reinforce')
+    config = json.loads((out / 'config.json').read_text())
+    assert config['policy_loss'] == 'reinforce' and config['advantage_estimator'] is None
+    assert config['gamma'] == pg.Config.gamma and config['epochs'] == 1
