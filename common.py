@@ -424,12 +424,6 @@ def network_head(params, features):
     return features @ last['w'] + last['b']
 
 
-def feature_size(params):
-    """How many features network_features gives for init_network's params."""
-    last = (params['mlp'] if isinstance(params, dict) and 'conv' in params else params)[-1]
-    return int(last['w'].shape[0])
-
-
 # ---------------------------------------------------------------------------
 # Schedules: Trax's lr.multifactor, written in jnp so `constant` (and the
 # others) may be traced per-run hyperparameters in a vmapped sweep.
