@@ -727,6 +727,12 @@ def build_parser(config_cls, prog, description, env_settings=None):
     run.add_argument('--device', default=None,
                      type=_flag_parser(int, False, True, False, '--device'),
                      help='run on this one device index (default: shard runs over all)')
+    run.add_argument('--time-limit', default=None, metavar='SECONDS',
+                     type=_flag_parser(float, False, True, False, '--time-limit'),
+                     help='stop after the last epoch that ends within SECONDS of the start '
+                          '(compile included; judged by the mean epoch so far), with the '
+                          'checkpoint and summary of a finished run; the same command with '
+                          '--output-dir goes on from there (default: none)')
     run.add_argument('--quiet', action='store_true',
                      help='no per-epoch lines on stdout (each shows epoch k/N, env steps, the '
                           'mean return of the episodes finished most recently, which may be '
@@ -1678,6 +1684,9 @@ def check_run_flags(args):
         raise UsageError(f'--num-seeds must be >= 1, got {args.num_seeds}')
     if not 0 <= args.seed <= INT32_MAX - args.num_seeds + 1:
         raise UsageError(f'--seed must be in [0, {INT32_MAX} - num_seeds + 1], got {args.seed}')
+    time_limit = getattr(args, 'time_limit', None)
+    if time_limit is not None and not 0 < time_limit < float('inf'):
+        raise UsageError(f'--time-limit must be a number of seconds > 0, got {time_limit:g}')
     timeout = getattr(args, 'coordinator_timeout', 60.0)
     if not 1 <= timeout <= 86400:
         raise UsageError(f'--coordinator-timeout must be in [1, 86400] seconds, got {timeout:g}')
@@ -1954,7 +1963,9 @@ def _epoch_loop(run, phases, finite, state, args, prog):
                 write_jsonl(run.metrics_path, records)
                 summaries.write(records)
             interrupted = any_process(interrupt.requested)  # all processes stop together
-            if epoch % config.checkpoint_every == 0 or epoch == config.epochs or interrupted:
+            out_of_time = progress.out_of_time(epoch, getattr(args, 'time_limit', None))
+            if epoch % config.checkpoint_every == 0 or epoch == config.epochs or interrupted \
+                    or out_of_time:
                 whole_state = gather(state)  # every process takes part
                 if is_writer():
                     save_checkpoint(run.checkpoint_path, whole_state,
@@ -1969,6 +1980,11 @@ def _epoch_loop(run, phases, finite, state, args, prog):
                     print(f'interrupted after epoch {epoch}; rerun with --output-dir '
                           f'{run.output_dir} to resume', file=sys.stderr)
                 sys.exit(130)
+            if out_of_time and epoch < config.epochs:
+                if not args.quiet and is_writer():
+                    print(f'time limit: stopped after epoch {epoch} of {config.epochs}; rerun '
+                          f'with --output-dir {run.output_dir} to go on', flush=True)
+                break
     return last
 
 
@@ -1978,6 +1994,16 @@ class _Progress:
     def __init__(self, run):
         self.recent = recent_returns(run.history, len(run.runs))
         self.first, self.epochs, self.start = run.start_epoch, run.config.epochs, time.time()
+        self.wall_start = run.wall_start
+
+    def out_of_time(self, epoch, time_limit):
+        """Would another epoch end past `time_limit` seconds from the start?
+        (Process 0's clock decides for all processes.)"""
+        if time_limit is None:
+            return False
+        now = time.time()
+        per_epoch = (now - self.start) / (epoch - self.first)
+        return bool(from_process_0(int(now - self.wall_start + per_epoch > time_limit)))
 
     def line(self, epoch, metrics, seconds):
         returns = metrics['rl/avg_return']

@@ -146,6 +146,29 @@ def test_resume_extends_to_total_epochs(algo, reference_runs, cache_dir, tmp_pat
 
 
 @pytest.mark.parametrize('algo', ALGOS)
+def test_time_limit_stops_with_a_checkpoint_and_the_run_goes_on(algo, reference_runs, cache_dir,
+                                                                tmp_path):
+    """--time-limit below one epoch: one epoch, then a finished run's files; the
+    same command without it goes on to the total, bitwise the uninterrupted run."""
+    out = str(tmp_path / 'run')
+    flags = ['--epochs', '5', '--output-dir', out, '--seed', '3']
+    result = run_script(algo, [*flags, '--time-limit', '0.001'], cache_dir, check=0)
+    assert result.stderr == ''
+    assert common.read_checkpoint_metadata(os.path.join(out, 'checkpoint.npz'))['epoch'] == 1
+    assert json.load(open(os.path.join(out, 'summary.json')))['epochs'] == 1
+    assert json.load(open(os.path.join(out, 'config.json')))['epochs'] == 5
+    run_script(algo, flags, cache_dir, check=0)
+    assert metrics_without_timing(os.path.join(out, 'metrics.jsonl')) == \
+        metrics_without_timing(os.path.join(reference_runs[algo], 'metrics.jsonl'))
+    assert json.load(open(os.path.join(out, 'summary.json')))['epochs'] == 5
+    # A limit the run does not reach stops nothing.
+    far = str(tmp_path / 'far')
+    run_script(algo, ['--epochs', '2', '--output-dir', far, '--time-limit', '1e9'], cache_dir,
+               check=0)
+    assert json.load(open(os.path.join(far, 'summary.json')))['epochs'] == 2
+
+
+@pytest.mark.parametrize('algo', ALGOS)
 def test_resume_with_changed_config_is_refused(algo, reference_runs, cache_dir):
     out = reference_runs[algo]
     before = open(os.path.join(out, 'checkpoint.npz'), 'rb').read()
@@ -221,6 +244,8 @@ BAD_INPUT = [
     (['--gamma', '0'], '--gamma'),
     (['--lr', 'fast'], '--lr'),
     (['--num-seeds', '0'], '--num-seeds'),
+    (['--time-limit', '0'], '--time-limit'),
+    (['--time-limit', 'soon'], '--time-limit'),
     (['--hidden-sizes', '16', '--epochs', '2,3'], '--epochs'),
 ]
 
