@@ -872,8 +872,9 @@ def test_help_lists_the_env_settings(capsys):
     assert 'per-env settings' in out
     for name, settings in dqn.ENV_SETTINGS.items():
         line = next(line for line in out.splitlines() if line.strip().startswith(name + ':'))
-        for field in settings:
-            assert '--' + field.replace('_', '-') in line, (name, field)
+        for field, value in settings.items():  # a False bool reads --no-FIELD
+            flag = common.settings_flags({field: value}).split()[0]
+            assert f' {flag}' in line, (name, field)
 
 
 def test_env_settings_apply_flags_override_and_config_records(monkeypatch, tmp_path, capsys):
