@@ -879,22 +879,27 @@ def test_help_lists_the_env_settings(capsys):
 
 def test_env_settings_apply_flags_override_and_config_records(monkeypatch, tmp_path, capsys):
     settings = {'lr': 3e-3, 'gamma': 0.9, 'hidden_sizes': (8, 4), 'sync_freq': 10,
-                'n_eval_episodes': 3}
+                'n_eval_episodes': 3, 'scale_value_targets': False, 'double_dqn': False}
     monkeypatch.setattr(dqn, 'ENV_SETTINGS', {'CartPole-v1': settings, 'Acrobot-v1': {'lr': 1.0}})
     tiny = ['--epochs', '1', '--n-envs', '2', '--n-interactions-per-epoch', '8',
             '--train-steps-per-epoch', '2', '--batch-size', '4', '--eval-steps', '8',
             '--compile-cache', 'none']
     out = tmp_path / 'run'
-    # --sync-freq and --n-eval-episodes typed: they win over the settings (and
-    # no evaluation keeps this test's compile short).
-    dqn.main([*tiny, '--sync-freq', '25', '--n-eval-episodes', '0', '--output-dir', str(out)])
+    # --sync-freq, --n-eval-episodes and --double-dqn typed: they win over the
+    # settings (and no evaluation keeps this test's compile short).
+    dqn.main([*tiny, '--sync-freq', '25', '--n-eval-episodes', '0', '--double-dqn',
+              '--output-dir', str(out)])
     printed = capsys.readouterr().out.splitlines()[0]
     assert printed.startswith('dqn.py: settings for CartPole-v1: ')
     assert '--lr 0.003 --gamma 0.9 --hidden-sizes 8,4' in printed
+    assert '--no-scale-value-targets' in printed  # a False setting, applied
     assert 'sync-freq' not in printed and 'n-eval-episodes' not in printed
+    assert 'double-dqn' not in printed
     config = json.loads((out / 'config.json').read_text())
     assert config['lr'] == 3e-3 and config['gamma'] == 0.9 and config['hidden_sizes'] == [8, 4]
+    assert config['scale_value_targets'] is False
     assert config['sync_freq'] == 25 and config['n_eval_episodes'] == 0  # the flags
+    assert config['double_dqn'] is True
     assert config['epochs'] == 1 and config['lr_decay_epochs'] == 1
     assert config['max_slice_length'] == dqn.Config.max_slice_length  # untouched default
     # A sweep given on the command line wins over a setting of that field too.
