@@ -560,7 +560,8 @@ def check_hyperparameters(config, runs):
 
 
 def main(argv=None):
-    return common.main(Config, make_agent, check_hyperparameters, 'dqn.py',
+    from harness import cli  # the command line; `import dqn` alone does not need it
+    return cli.main(Config, make_agent, check_hyperparameters, 'dqn.py',
                        __doc__.split('\n\n')[0], argv, env_settings=ENV_SETTINGS)
 
 

@@ -1213,7 +1213,8 @@ def check_hyperparameters(config, runs):
 
 
 def main(argv=None):
-    return common.main(Config, make_agent, check_hyperparameters, 'pg.py',
+    from harness import cli  # the command line; `import pg` alone does not need it
+    return cli.main(Config, make_agent, check_hyperparameters, 'pg.py',
                        __doc__.split('\n\n')[0], argv, env_settings=ENV_SETTINGS,
                        settings_mode_field='policy_loss')
 

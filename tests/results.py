@@ -32,6 +32,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import common  # noqa: E402
+from harness import flags  # noqa: E402
 
 # gymnax README's returns of its trained baselines (gymnax-blines, PPO or ES).
 BASELINES = {
@@ -187,7 +188,7 @@ def run_row(env_name, algo, seeds, time_limit=None, jobs=1):
         mode = config['policy_loss'] + (', gSDE' if config.get('state_dependent_exploration')
                                         else '')
     table = getattr(importlib.import_module(algo), 'ENV_SETTINGS', {})  # compiles nothing
-    settings = common.settings_flags(table.get(env_name, {})) or '(defaults)'
+    settings = flags.settings_flags(table.get(env_name, {})) or '(defaults)'
     if extra:
         settings += ', then ' + ' '.join(extra)
     return {

@@ -33,6 +33,9 @@ import jax.numpy as jnp  # noqa: E402
 from absl.testing import parameterized  # noqa: E402
 
 import common  # noqa: E402
+from harness import cli  # noqa: E402
+from harness import flags  # noqa: E402
+from harness import rundir  # noqa: E402
 from contracts import assert_contracts_trace_to_nothing  # noqa: E402
 
 BATCH, LENGTH = 3, 7
@@ -555,23 +558,23 @@ def assert_trees_bitwise_equal(got, want):
 @pytest.fixture
 def ckpt(tmp_path):
     path = tmp_path / 'checkpoint.npz'
-    common.save_checkpoint(str(path), make_state(), METADATA)
+    rundir.save_checkpoint(str(path), make_state(), METADATA)
     return path
 
 
 def test_checkpoint_round_trip(ckpt):
     state = make_state()
-    restored, metadata = common.load_checkpoint(str(ckpt), state)
+    restored, metadata = rundir.load_checkpoint(str(ckpt), state)
     assert isinstance(restored, State)
     assert_trees_bitwise_equal(restored, state)
     assert restored.key.dtype == np.uint32 and restored.keys.shape == (5, 2)
     assert restored.done.dtype == np.bool_
     assert metadata == METADATA
-    assert common.read_checkpoint_metadata(str(ckpt)) == METADATA
+    assert rundir.read_checkpoint_metadata(str(ckpt)) == METADATA
     # Loadable into an all-jax template too, and after an overwrite holds the new state.
     new = make_state(1.0)
-    common.save_checkpoint(str(ckpt), new, {'epoch': 4})
-    restored, metadata = common.load_checkpoint(str(ckpt), jax.tree.map(jnp.asarray, new))
+    rundir.save_checkpoint(str(ckpt), new, {'epoch': 4})
+    restored, metadata = rundir.load_checkpoint(str(ckpt), jax.tree.map(jnp.asarray, new))
     assert_trees_bitwise_equal(restored, jax.tree.map(np.asarray, new))
     assert metadata == {'epoch': 4}
     assert os.listdir(ckpt.parent) == ['checkpoint.npz']
@@ -611,15 +614,15 @@ MISMATCHES = {
 def test_checkpoint_template_mismatch(ckpt, mutate):
     template = mutate(make_state())
     with pytest.raises(ValueError, match=re.escape(str(ckpt))):
-        common.load_checkpoint(str(ckpt), template)
+        rundir.load_checkpoint(str(ckpt), template)
 
 
 def test_checkpoint_missing_file(tmp_path):
     path = str(tmp_path / 'nope' / 'checkpoint.npz')
     with pytest.raises(ValueError, match=re.escape(path)):
-        common.load_checkpoint(path, make_state())
+        rundir.load_checkpoint(path, make_state())
     with pytest.raises(ValueError, match=re.escape(path)):
-        common.read_checkpoint_metadata(path)
+        rundir.read_checkpoint_metadata(path)
 
 
 def _write(path, data):
@@ -653,9 +656,9 @@ def test_checkpoint_corrupt_or_truncated(ckpt, kind):
     bad = ckpt.parent / 'bad.npz'
     _write(bad, data)
     with pytest.raises(ValueError, match=re.escape(str(bad))):
-        common.load_checkpoint(str(bad), make_state())
+        rundir.load_checkpoint(str(bad), make_state())
     with pytest.raises(ValueError, match=re.escape(str(bad))):
-        common.read_checkpoint_metadata(str(bad))
+        rundir.read_checkpoint_metadata(str(bad))
 
 
 def test_checkpoint_valid_npz_that_is_not_a_checkpoint(tmp_path):
@@ -668,7 +671,7 @@ def test_checkpoint_valid_npz_that_is_not_a_checkpoint(tmp_path):
         with open(path, 'wb') as f:
             np.savez(f, **arrays)
         with pytest.raises(ValueError, match=re.escape(path)):
-            common.load_checkpoint(path, [np.zeros(2), np.zeros(2)])
+            rundir.load_checkpoint(path, [np.zeros(2), np.zeros(2)])
 
 
 def _central_directory_corruption(raw, offset, value):
@@ -689,7 +692,7 @@ def test_checkpoint_corrupt_zip_directory(ckpt, field, offset, value):
     bad = ckpt.parent / 'bad.npz'
     _write(bad, _central_directory_corruption(ckpt.read_bytes(), offset, value))
     with pytest.raises(ValueError, match=re.escape(str(bad))):
-        common.load_checkpoint(str(bad), make_state())
+        rundir.load_checkpoint(str(bad), make_state())
 
 
 class SimulatedCrash(Exception):
@@ -700,24 +703,24 @@ class SimulatedCrash(Exception):
 def test_checkpoint_interrupted_write_keeps_previous(ckpt, monkeypatch, crash_at):
     old_bytes = ckpt.read_bytes()
     module_name, attr = crash_at.split('.')
-    module = {'os': common.os, 'np': common.np}[module_name]
+    module = {'os': rundir.os, 'np': rundir.np}[module_name]
 
     def crash(*args, **kwargs):
         raise SimulatedCrash(crash_at)
 
     monkeypatch.setattr(module, attr, crash)
     with pytest.raises(SimulatedCrash):
-        common.save_checkpoint(str(ckpt), make_state(1.0), {'epoch': 99})
+        rundir.save_checkpoint(str(ckpt), make_state(1.0), {'epoch': 99})
     monkeypatch.undo()
 
     assert ckpt.read_bytes() == old_bytes
-    restored, metadata = common.load_checkpoint(str(ckpt), make_state())
+    restored, metadata = rundir.load_checkpoint(str(ckpt), make_state())
     assert_trees_bitwise_equal(restored, make_state())
     assert metadata == METADATA
-    assert common.read_checkpoint_metadata(str(ckpt)) == METADATA
+    assert rundir.read_checkpoint_metadata(str(ckpt)) == METADATA
     # And a later save works and replaces the old contents.
-    common.save_checkpoint(str(ckpt), make_state(1.0), {'epoch': 4})
-    restored, metadata = common.load_checkpoint(str(ckpt), make_state(1.0))
+    rundir.save_checkpoint(str(ckpt), make_state(1.0), {'epoch': 4})
+    restored, metadata = rundir.load_checkpoint(str(ckpt), make_state(1.0))
     assert_trees_bitwise_equal(restored, make_state(1.0))
     assert metadata == {'epoch': 4}
 
@@ -726,10 +729,10 @@ def test_checkpoint_leftover_temp_file_is_harmless(ckpt):
     # A crashed writer's temp file (garbage) next to the checkpoint.
     for name in (f'{ckpt.name}.tmp-{os.getpid()}', f'{ckpt.name}.tmp-1', 'checkpoint.npz.tmp'):
         _write(ckpt.parent / name, b'garbage')
-    restored, metadata = common.load_checkpoint(str(ckpt), make_state())
+    restored, metadata = rundir.load_checkpoint(str(ckpt), make_state())
     assert_trees_bitwise_equal(restored, make_state())
-    common.save_checkpoint(str(ckpt), make_state(1.0), {'epoch': 5})
-    restored, metadata = common.load_checkpoint(str(ckpt), make_state(1.0))
+    rundir.save_checkpoint(str(ckpt), make_state(1.0), {'epoch': 5})
+    restored, metadata = rundir.load_checkpoint(str(ckpt), make_state(1.0))
     assert_trees_bitwise_equal(restored, make_state(1.0))
     assert metadata == {'epoch': 5}
 
@@ -748,17 +751,17 @@ def test_checkpoint_written_to_temp_then_renamed(ckpt, monkeypatch):
             assert os.path.abspath(src) != os.path.abspath(dst)
             assert os.path.dirname(os.path.abspath(src)) == str(ckpt.parent)
             assert ckpt.read_bytes() == old_bytes
-            restored, metadata = common.load_checkpoint(src, make_state(1.0))
+            restored, metadata = rundir.load_checkpoint(src, make_state(1.0))
             assert_trees_bitwise_equal(restored, make_state(1.0))
             assert metadata == {'epoch': 9}
         return real_replace(src, dst)
 
-    monkeypatch.setattr(common.os, 'replace', spy)
-    common.save_checkpoint(str(ckpt), make_state(1.0), {'epoch': 9})
+    monkeypatch.setattr(rundir.os, 'replace', spy)
+    rundir.save_checkpoint(str(ckpt), make_state(1.0), {'epoch': 9})
     monkeypatch.undo()
     assert [dst for _, dst in calls] == [str(ckpt)]
     assert os.listdir(ckpt.parent) == ['checkpoint.npz']
-    assert common.read_checkpoint_metadata(str(ckpt)) == {'epoch': 9}
+    assert rundir.read_checkpoint_metadata(str(ckpt)) == {'epoch': 9}
 
 
 # ---------------------------------------------------------------------------
@@ -991,13 +994,13 @@ class TinyConfig:
 
 
 def parse(argv):
-    parser = common.build_parser(TinyConfig, 'tiny', 'a tiny config')
+    parser = flags.build_parser(TinyConfig, 'tiny', 'a tiny config')
     return parser.parse_args(argv)
 
 
 def test_config_defaults():
     args = parse([])
-    config, grid = common.config_and_grid(TinyConfig, args)
+    config, grid = flags.config_and_grid(TinyConfig, args)
     assert config == TinyConfig()
     assert grid == {}
     assert (args.seed, args.num_seeds, args.output_dir, args.only_eval) == (0, 1, None, False)
@@ -1007,16 +1010,16 @@ def test_config_kebab_case_flags_bool_tuple_optional():
     args = parse(['--max-slice-length', '3', '--no-double-dqn', '--eval-steps', '200,500',
                   '--max-steps', '50', '--env', 'Acrobot-v1', '--seed', '4',
                   '--num-seeds', '2', '--output-dir', 'out'])
-    config, grid = common.config_and_grid(TinyConfig, args)
+    config, grid = flags.config_and_grid(TinyConfig, args)
     assert config == TinyConfig(env='Acrobot-v1', max_slice_length=3, double_dqn=False,
                                 eval_steps=(200, 500), max_steps=50)
     assert isinstance(config.max_slice_length, int)
     assert grid == {}
     assert (args.seed, args.num_seeds, args.output_dir) == (4, 2, 'out')
-    assert common.config_and_grid(TinyConfig, parse(['--double-dqn']))[0].double_dqn is True
-    assert common.config_and_grid(TinyConfig, parse(['--eval-steps', '300']))[0].eval_steps \
+    assert flags.config_and_grid(TinyConfig, parse(['--double-dqn']))[0].double_dqn is True
+    assert flags.config_and_grid(TinyConfig, parse(['--eval-steps', '300']))[0].eval_steps \
         == (300,)
-    assert common.config_and_grid(TinyConfig, parse(['--max-steps', 'none']))[0].max_steps \
+    assert flags.config_and_grid(TinyConfig, parse(['--max-steps', 'none']))[0].max_steps \
         is None
 
 
@@ -1036,7 +1039,7 @@ def test_help_states_each_default_once(script):
     """Every flag's help ends with its default, said once (a help text that
     already explains the default, e.g. '(default: --epochs)', gets no second)."""
     module = __import__(script)
-    parser = common.build_parser(module.Config, f'{script}.py', '')
+    parser = flags.build_parser(module.Config, f'{script}.py', '')
     formatter = parser._get_formatter()
     for action in parser._actions:
         if action.dest == 'help':
@@ -1047,7 +1050,7 @@ def test_help_states_each_default_once(script):
 
 def test_config_sweep_grid_and_runs():
     args = parse(['--lr', '1e-3,3e-4', '--gamma', '0.9,0.99'])
-    config, grid = common.config_and_grid(TinyConfig, args)
+    config, grid = flags.config_and_grid(TinyConfig, args)
     assert config.lr == 1e-3 and config.gamma == 0.9
     assert grid == {'lr': [1e-3, 3e-4], 'gamma': [0.9, 0.99]}
     runs = common.expand_runs(config, grid, seed=5, num_seeds=2)
@@ -1061,7 +1064,7 @@ def test_config_sweep_grid_and_runs():
 
 def test_config_single_sweep_value_and_no_grid_runs():
     args = parse(['--lr', '3e-4'])
-    config, grid = common.config_and_grid(TinyConfig, args)
+    config, grid = flags.config_and_grid(TinyConfig, args)
     assert config.lr == 3e-4 and grid == {}
     runs = common.expand_runs(config, grid, seed=0, num_seeds=3)
     assert runs == [{'seed': s, 'lr': 3e-4, 'gamma': 0.99} for s in range(3)]
@@ -1103,12 +1106,12 @@ def test_config_unparseable_int_message_says_what(capsys):
 
 
 def test_given_flags_names_only_what_the_command_line_set():
-    parser = common.build_parser(TinyConfig, 'tiny', '')
-    assert common.given_flags(parser, []) == set()
-    given = common.given_flags(parser, ['--lr', '1e-3,3e-4', '--no-double-dqn', '--seed', '3'])
+    parser = flags.build_parser(TinyConfig, 'tiny', '')
+    assert flags.given_flags(parser, []) == set()
+    given = flags.given_flags(parser, ['--lr', '1e-3,3e-4', '--no-double-dqn', '--seed', '3'])
     assert given == {'lr', 'double_dqn', 'seed'}
     # A flag given at its default value is still given (an explicit choice).
-    assert common.given_flags(parser, ['--gamma', '0.99']) == {'gamma'}
+    assert flags.given_flags(parser, ['--gamma', '0.99']) == {'gamma'}
     assert parser.parse_args([]).lr == 1e-3  # the parser itself keeps its defaults
 
 
@@ -1203,12 +1206,12 @@ def test_epoch_line_shows_epoch_of_total_recent_return_and_time_left():
                'rl/avg_return': np.array([np.nan, np.nan]),  # no episode ended this epoch
                'rl/avg_return_temperature0.00_steps500': np.array([500.0, 480.0]),
                'metrics/value_loss': np.array([0.5, 0.25])}
-    line = common.epoch_line(7, 150, metrics, np.array([210.0, 190.0]), 0.5, 3725)
+    line = cli.epoch_line(7, 150, metrics, np.array([210.0, 190.0]), 0.5, 3725)
     assert line == ('epoch   7/150 | steps 1024 | return 200.0 (min 190.0) | eval T0.00@500 '
                     '490.0 (min 480.0) | value_loss 0.375 | 0.50s | left 1h02m')
-    assert common.epoch_line(3, 5, metrics, np.array([np.nan, np.nan]), 0.5, 65).endswith(
+    assert cli.epoch_line(3, 5, metrics, np.array([np.nan, np.nan]), 0.5, 65).endswith(
         '| 0.50s | left 1m05s')
-    assert 'return n/a' in common.epoch_line(3, 5, metrics, np.array([np.nan, np.nan]), 1, 0)
+    assert 'return n/a' in cli.epoch_line(3, 5, metrics, np.array([np.nan, np.nan]), 1, 0)
 
 
 def test_recent_returns_are_the_last_epoch_in_which_an_episode_ended():
@@ -1216,33 +1219,33 @@ def test_recent_returns_are_the_last_epoch_in_which_an_episode_ended():
                {'epoch': 1, 'run': 0, 'rl/avg_return': 20.0},
                {'epoch': 1, 'run': 1, 'rl/avg_return': None},
                {'epoch': 2, 'run': 1, 'rl/avg_return': 30.0}]
-    np.testing.assert_array_equal(common.recent_returns(history, 3), [20.0, 30.0, np.nan])
+    np.testing.assert_array_equal(cli.recent_returns(history, 3), [20.0, 30.0, np.nan])
 
 
 def test_run_names_name_grid_values_and_seed():
     runs = [{'seed': 3, 'lr': 0.01, 'gamma': 0.99}, {'seed': 4, 'lr': 0.003, 'gamma': 0.99}]
-    assert common.run_names(runs, {'lr': [0.01, 0.003]}) == ['lr=0.01,seed=3', 'lr=0.003,seed=4']
-    assert common.run_names(runs[:1], {}) == ['seed=3']
+    assert rundir.run_names(runs, {'lr': [0.01, 0.003]}) == ['lr=0.01,seed=3', 'lr=0.003,seed=4']
+    assert rundir.run_names(runs[:1], {}) == ['seed=3']
     twins = [{'seed': 3, 'lr': 0.01}, {'seed': 3, 'lr': 0.01}]
-    assert common.run_names(twins, {'lr': [0.01, 0.01]}) == ['lr=0.01,seed=3,run=0',
+    assert rundir.run_names(twins, {'lr': [0.01, 0.01]}) == ['lr=0.01,seed=3,run=0',
                                                               'lr=0.01,seed=3,run=1']
 
 
 def test_take_saved_config_fills_in_what_the_command_line_left_out():
-    parser = common.build_parser(TinyConfig, 'tiny', '')
+    parser = flags.build_parser(TinyConfig, 'tiny', '')
     saved = {'algorithm': 'tiny', 'env': 'Acrobot-v1', 'max_slice_length': 4,
              'double_dqn': False, 'eval_steps': [100, 300], 'max_steps': None, 'lr': 0.01,
              'gamma': 0.9, 'grid': {'lr': [0.01, 0.003]}, 'seed': 7, 'num_seeds': 2}
     argv = ['--gamma', '0.95', '--output-dir', 'x']
     args = parser.parse_args(argv)
-    args.given, args.only_eval = common.given_flags(parser, argv), False
-    common.take_saved_config(TinyConfig, args, saved)
-    config, grid = common.config_and_grid(TinyConfig, args)
+    args.given, args.only_eval = flags.given_flags(parser, argv), False
+    flags.take_saved_config(TinyConfig, args, saved)
+    config, grid = flags.config_and_grid(TinyConfig, args)
     assert config == TinyConfig(env='Acrobot-v1', max_slice_length=4, double_dqn=False,
                                 eval_steps=(100, 300), max_steps=None, lr=0.01, gamma=0.95)
     assert grid == {'lr': [0.01, 0.003]} and (args.seed, args.num_seeds) == (7, 2)
     # A save of another algorithm (other fields) is left alone: resuming names them.
     args = parser.parse_args([])
     args.given, args.only_eval = set(), False
-    common.take_saved_config(TinyConfig, args, {**saved, 'hidden_sizes': [8]})
+    flags.take_saved_config(TinyConfig, args, {**saved, 'hidden_sizes': [8]})
     assert args.env == 'CartPole-v1' and args.seed == 0

@@ -26,6 +26,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import common  # noqa: E402
+from harness import rundir  # noqa: E402
 from test_reliability import SMALL, assert_one_line_error  # noqa: E402
 from test_scale import assert_same_runs, results  # noqa: E402
 
@@ -175,7 +176,7 @@ def test_kill_9_of_one_process_then_rerun_resumes_bitwise(algo, victim, referenc
         # Its own line; when process 0 dies, JAX's coordination client (a thread
         # of its own) may also log, or abort the survivor first.
         assert 'lost contact with another process' in err or 'another task died' in err, err
-    saved_epoch = common.read_checkpoint_metadata(os.path.join(out, 'checkpoint.npz'))['epoch']
+    saved_epoch = rundir.read_checkpoint_metadata(os.path.join(out, 'checkpoint.npz'))['epoch']
     assert 1 <= saved_epoch < 4
     if algo == 'dqn':  # the checkpoint does not depend on the process count
         alone = str(tmp_path / 'resumed_alone')
@@ -294,7 +295,7 @@ def test_an_error_only_one_process_meets_stops_both(references, cache_dir, tmp_p
     for host in (first, second):
         shutil.copytree(references['dqn'], host / 'run')
     path = second / 'run' / 'checkpoint.npz'
-    header, leaves = common._read_checkpoint(str(path))
+    header, leaves = rundir._read_checkpoint(str(path))
     header['paths'], leaves = header['paths'][:-1], leaves[:-1]
     arrays = {f'leaf_{i:05d}': leaf for i, leaf in enumerate(leaves)}
     arrays['header'] = np.frombuffer(json.dumps(header).encode(), np.uint8)

@@ -35,6 +35,7 @@ from flax import struct  # noqa: E402
 from gymnax.environments import environment, spaces  # noqa: E402
 
 import common  # noqa: E402
+from harness import flags  # noqa: E402
 import dqn  # noqa: E402
 import probe_envs  # noqa: E402
 from contracts import assert_contracts_trace_to_nothing  # noqa: E402
@@ -873,7 +874,7 @@ def test_help_lists_the_env_settings(capsys):
     for name, settings in dqn.ENV_SETTINGS.items():
         line = next(line for line in out.splitlines() if line.strip().startswith(name + ':'))
         for field, value in settings.items():  # a False bool reads --no-FIELD
-            flag = common.settings_flags({field: value}).split()[0]
+            flag = flags.settings_flags({field: value}).split()[0]
             assert f' {flag}' in line, (name, field)
 
 

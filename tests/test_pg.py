@@ -24,6 +24,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import common  # noqa: E402
+from harness import flags  # noqa: E402
+from harness import rundir  # noqa: E402
 import pg  # noqa: E402
 import probe_envs  # noqa: E402
 from contracts import assert_contracts_trace_to_nothing  # noqa: E402
@@ -602,7 +604,7 @@ def read_metrics(path):
 
 
 def checkpoint_params(path):
-    header, leaves = common._read_checkpoint(os.path.join(path, 'checkpoint.npz'))
+    header, leaves = rundir._read_checkpoint(os.path.join(path, 'checkpoint.npz'))
     return [leaf for name, leaf in zip(header['paths'], leaves) if name.startswith('.params')]
 
 
@@ -1080,9 +1082,9 @@ def test_bad_actor_critic_input_exits_2_with_one_line(argv, message, tmp_path, c
 
 
 def test_lambda_flag_and_actor_critic_defaults():
-    parser = common.build_parser(pg.Config, 'pg.py', '')
+    parser = flags.build_parser(pg.Config, 'pg.py', '')
     args = parser.parse_args(['--lambda', '0.9,0.8', '--policy-loss', 'ppo'])
-    config, grid = common.config_and_grid(pg.Config, args)
+    config, grid = flags.config_and_grid(pg.Config, args)
     assert grid == {'lambda_': [0.9, 0.8]} and config.lambda_ == 0.9
     assert pg.estimator_name(config) == 'td_lambda'  # Trax's actor-critic default
     assert pg.estimator_name(pg.Config()) == 'mean_return'  # REINFORCE's baseline
@@ -1090,7 +1092,7 @@ def test_lambda_flag_and_actor_critic_defaults():
     # Trax's name for the normalisation switch is an alias of ours.
     for argv, value in ((['--no-advantage-normalization'], False),
                         (['--advantage-normalization'], True), (['--no-normalize-advantages'], False)):
-        config, _ = common.config_and_grid(pg.Config, parser.parse_args(argv))
+        config, _ = flags.config_and_grid(pg.Config, parser.parse_args(argv))
         assert config.normalize_advantages is value
 
 

@@ -22,6 +22,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import common  # noqa: E402
+from harness import cli  # noqa: E402
+from harness import flags  # noqa: E402
+from harness import rundir  # noqa: E402
 
 # Small, fast configs; a few hundred ms per epoch so a kill lands mid-run.
 SMALL = {
@@ -57,7 +60,7 @@ def metrics_without_timing(path):
 
 
 def checkpoint_leaves(path):
-    header, leaves = common._read_checkpoint(path)
+    header, leaves = rundir._read_checkpoint(path)
     return header['metadata'], leaves
 
 
@@ -111,7 +114,7 @@ def test_kill_9_then_resume_is_bitwise_identical(algo, reference_runs, cache_dir
     assert process.poll() is None, 'run finished before it could be killed; make epochs longer'
     process.send_signal(signal.SIGKILL)
     process.wait()
-    saved_epoch = common.read_checkpoint_metadata(os.path.join(out, 'checkpoint.npz'))['epoch']
+    saved_epoch = rundir.read_checkpoint_metadata(os.path.join(out, 'checkpoint.npz'))['epoch']
     assert 1 <= saved_epoch < 5
 
     run_script(algo, ['--epochs', '5', '--output-dir', out, '--seed', '3'], cache_dir, check=0)
@@ -154,7 +157,7 @@ def test_time_limit_stops_with_a_checkpoint_and_the_run_goes_on(algo, reference_
     flags = ['--epochs', '5', '--output-dir', out, '--seed', '3']
     result = run_script(algo, [*flags, '--time-limit', '0.001'], cache_dir, check=0)
     assert result.stderr == ''
-    assert common.read_checkpoint_metadata(os.path.join(out, 'checkpoint.npz'))['epoch'] == 1
+    assert rundir.read_checkpoint_metadata(os.path.join(out, 'checkpoint.npz'))['epoch'] == 1
     assert json.load(open(os.path.join(out, 'summary.json')))['epochs'] == 1
     assert json.load(open(os.path.join(out, 'config.json')))['epochs'] == 5
     run_script(algo, flags, cache_dir, check=0)
@@ -188,7 +191,7 @@ def test_restored_trainer_step_is_validated(algo, reference_runs, cache_dir, tmp
     out = str(tmp_path / 'run')
     shutil.copytree(reference_runs[algo], out)
     path = os.path.join(out, 'checkpoint.npz')
-    header, leaves = common._read_checkpoint(path)
+    header, leaves = rundir._read_checkpoint(path)
     index = [i for i, name in enumerate(header['paths']) if name.endswith('.train_step')][0]
     leaves[index] = leaves[index] + 1  # not at an epoch boundary any more
     arrays = {f'leaf_{i:05d}': leaf for i, leaf in enumerate(leaves)}
@@ -420,7 +423,7 @@ def test_truncated_checkpoint_is_reported_and_previous_survives(algo, reference_
     assert result.returncode == 1
     assert_one_line_error(result, 'corrupt or truncated', 'checkpoint.prev.npz')
     assert open(previous, 'rb').read() == previous_bytes
-    assert common.read_checkpoint_metadata(previous)['epoch'] == 4
+    assert rundir.read_checkpoint_metadata(previous)['epoch'] == 4
     # Following the message's advice resumes from the previous checkpoint.
     os.replace(previous, path)
     run_script(algo, ['--epochs', '5', '--output-dir', out, '--seed', '3'], cache_dir, check=0)
@@ -440,11 +443,11 @@ def test_nan_guard_stops_and_keeps_last_good_checkpoint(algo, cache_dir, tmp_pat
     import jax
     import jax.numpy as jnp
     module = importlib.import_module(algo)
-    parser = common.build_parser(module.Config, f'{algo}.py', '')
+    parser = flags.build_parser(module.Config, f'{algo}.py', '')
     out = str(tmp_path / 'run')
     args = parser.parse_args([*SMALL[algo], '--epochs', '4', '--output-dir', out, '--quiet',
                               '--compile-cache', cache_dir])
-    config, grid = common.config_and_grid(module.Config, args)
+    config, grid = flags.config_and_grid(module.Config, args)
 
     def make_poisoned_agent(config):
         agent = module.make_agent(config)
@@ -459,11 +462,11 @@ def test_nan_guard_stops_and_keeps_last_good_checkpoint(algo, cache_dir, tmp_pat
         return agent
 
     with pytest.raises(SystemExit) as exit_info:
-        common.run_experiment(make_poisoned_agent, config, grid, args, f'{algo}.py')
+        cli.run_experiment(make_poisoned_agent, config, grid, args, f'{algo}.py')
     assert exit_info.value.code == 1
     message = capsys.readouterr().err
     assert 'non-finite' in message and 'epoch 3' in message
-    assert common.read_checkpoint_metadata(os.path.join(out, 'checkpoint.npz'))['epoch'] == 2
+    assert rundir.read_checkpoint_metadata(os.path.join(out, 'checkpoint.npz'))['epoch'] == 2
     assert {r['epoch'] for r in map(json.loads, open(os.path.join(out, 'metrics.jsonl')))} == {1, 2}
 
 
@@ -486,7 +489,7 @@ def test_ctrl_c_finishes_the_epoch_and_leaves_a_loadable_checkpoint(algo, refere
     _, stderr = process.communicate(timeout=120)
     assert process.returncode == 130, stderr
     assert 'Traceback' not in stderr and 'resume' in stderr
-    epoch = common.read_checkpoint_metadata(os.path.join(out, 'checkpoint.npz'))['epoch']
+    epoch = rundir.read_checkpoint_metadata(os.path.join(out, 'checkpoint.npz'))['epoch']
     assert 1 <= epoch < 5
     run_script(algo, ['--epochs', '5', '--output-dir', out, '--seed', '3'], cache_dir, check=0)
     assert metrics_without_timing(metrics_path) == \
@@ -526,7 +529,7 @@ def test_resume_takes_the_saved_config(algo, cache_dir, tmp_path, capfd):
     records = [json.loads(line) for line in open(os.path.join(out, 'metrics.jsonl'))]
     assert sorted((r['epoch'], r['run']) for r in records) == \
         [(epoch, run) for epoch in (1, 2, 3) for run in range(4)]
-    saved = common.read_checkpoint_metadata(os.path.join(out, 'checkpoint.npz'))
+    saved = rundir.read_checkpoint_metadata(os.path.join(out, 'checkpoint.npz'))
     assert saved['epoch'] == 3 and saved['config']['grid'] == {'gamma': [0.9, 0.99]}
     # TensorBoard was off for the first part; the resumed run writes all of it.
     assert sorted(os.listdir(os.path.join(out, 'tb'))) == \
@@ -611,7 +614,7 @@ def test_tensorboard_events_match_metrics_and_a_resume_writes_no_duplicates(cach
     # A crash after epoch 3's metrics and events, before its checkpoint: the
     # resumed run redoes epoch 3, and TensorBoard still holds one value per step.
     shutil.copy(os.path.join(out, 'checkpoint.prev.npz'), os.path.join(out, 'checkpoint.npz'))
-    assert common.read_checkpoint_metadata(os.path.join(out, 'checkpoint.npz'))['epoch'] == 2
+    assert rundir.read_checkpoint_metadata(os.path.join(out, 'checkpoint.npz'))['epoch'] == 2
     result = run_bare('dqn', ['--output-dir', out], cache_dir)
     assert result.returncode == 0, result.stderr
     assert_events_match_metrics(out, 3)
@@ -646,10 +649,10 @@ def test_one_writer_per_run_dir_and_kill_9_leaves_no_lock(algo, cache_dir, tmp_p
         process.kill()
         process.wait()
     # kill -9 leaves the lock file but no lock: the next run takes the dir over.
-    assert os.path.exists(os.path.join(out, common.LOCK_FILE))
+    assert os.path.exists(os.path.join(out, rundir.LOCK_FILE))
     result = run_bare(algo, ['--output-dir', out, '--only-eval'], cache_dir)
     assert result.returncode == 0, result.stderr
-    epoch = common.read_checkpoint_metadata(os.path.join(out, 'checkpoint.npz'))['epoch']
+    epoch = rundir.read_checkpoint_metadata(os.path.join(out, 'checkpoint.npz'))['epoch']
     result = run_bare(algo, ['--output-dir', out, '--epochs', str(epoch + 1)], cache_dir)
     assert result.returncode == 0, result.stderr
     assert json.load(open(os.path.join(out, 'summary.json')))['epochs'] == epoch + 1
@@ -658,10 +661,10 @@ def test_one_writer_per_run_dir_and_kill_9_leaves_no_lock(algo, cache_dir, tmp_p
 def test_output_dir_lock_in_process(tmp_path):
     """The lock refuses a second holder even in the same process and is released
     when the block ends."""
-    with common.output_dir_lock(str(tmp_path)):
-        assert open(tmp_path / common.LOCK_FILE).read().strip() == str(os.getpid())
+    with rundir.output_dir_lock(str(tmp_path)):
+        assert open(tmp_path / rundir.LOCK_FILE).read().strip() == str(os.getpid())
         with pytest.raises(common.UsageError, match=f'another run \\(pid {os.getpid()}\\)'):
-            with common.output_dir_lock(str(tmp_path)):
+            with rundir.output_dir_lock(str(tmp_path)):
                 pass
-    with common.output_dir_lock(str(tmp_path)):
+    with rundir.output_dir_lock(str(tmp_path)):
         pass

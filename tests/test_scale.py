@@ -14,6 +14,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import common  # noqa: E402
+from harness import flags  # noqa: E402
+from harness import rundir  # noqa: E402
 import dqn  # noqa: E402
 
 TINY = ['--n-envs', '4', '--n-interactions-per-epoch', '64', '--train-steps-per-epoch', '32',
@@ -27,7 +29,7 @@ CONV_TINY = [*TINY, '--env', 'Breakout-MinAtar', '--conv-channels', '4', '--eval
 def results(out):
     records = [{k: v for k, v in json.loads(line).items() if not k.startswith(IGNORED)}
                for line in open(os.path.join(out, 'metrics.jsonl'))]
-    header, leaves = common._read_checkpoint(os.path.join(out, 'checkpoint.npz'))
+    header, leaves = rundir._read_checkpoint(os.path.join(out, 'checkpoint.npz'))
     return records, header['paths'], leaves
 
 
@@ -68,9 +70,9 @@ def cache_dir(tmp_path_factory):
 
 
 def test_grid_parsing_and_runs_axis():
-    parser = common.build_parser(dqn.Config, 'dqn.py', '')
+    parser = flags.build_parser(dqn.Config, 'dqn.py', '')
     args = parser.parse_args(['--lr', '1e-2,3e-3', '--gamma', '0.99,0.9', '--num-seeds', '2'])
-    config, grid = common.config_and_grid(dqn.Config, args)
+    config, grid = flags.config_and_grid(dqn.Config, args)
     assert grid == {'lr': [1e-2, 3e-3], 'gamma': [0.99, 0.9]}
     runs = common.expand_runs(config, grid, args.seed, args.num_seeds)
     assert [(r['lr'], r['gamma'], r['seed']) for r in runs] == [
@@ -108,7 +110,7 @@ def test_conv_grid_equals_the_separate_runs(cache_dir, tmp_path):
     grid_out = str(tmp_path / 'grid')
     dqn.main([*CONV_TINY, '--compile-cache', cache_dir, '--output-dir', grid_out,
               '--lr', '1e-2,3e-3', '--num-seeds', '2'])
-    header, _ = common._read_checkpoint(os.path.join(grid_out, 'checkpoint.npz'))
+    header, _ = rundir._read_checkpoint(os.path.join(grid_out, 'checkpoint.npz'))
     assert any("['conv']" in path for path in header['paths'])
     records = assert_grid_equals_separate_runs(
         dqn.main, [*CONV_TINY, '--compile-cache', cache_dir], grid_out, tmp_path)
@@ -188,7 +190,7 @@ def test_pg_ppo_conv_and_gsde_grids_equal_the_separate_runs(flags, leaf, cache_d
     grid_out = str(tmp_path / 'grid')
     pg.main([*PG_PPO_TINY, *flags, '--compile-cache', cache_dir, '--output-dir', grid_out,
              '--lr', '1e-2,3e-3', '--num-seeds', '2'])
-    header, _ = common._read_checkpoint(os.path.join(grid_out, 'checkpoint.npz'))
+    header, _ = rundir._read_checkpoint(os.path.join(grid_out, 'checkpoint.npz'))
     assert any(leaf in path for path in header['paths'])
     records = assert_grid_equals_separate_runs(
         pg.main, [*PG_PPO_TINY, *flags, '--compile-cache', cache_dir], grid_out, tmp_path)
@@ -204,8 +206,8 @@ def test_fused_epoch_equals_the_phases(algo):
     import pg
     module = {'dqn': dqn, 'pg': pg}[algo]
     flags = TINY if algo == 'dqn' else PG_TINY
-    config, grid = common.config_and_grid(
-        module.Config, common.build_parser(module.Config, algo, '').parse_args(flags))
+    config, grid = flags.config_and_grid(
+        module.Config, flags.build_parser(module.Config, algo, '').parse_args(flags))
     agent = module.make_agent(config)
     runs = common.expand_runs(config, grid, 0, 2)
     hp = common.hyperparameters(config, runs)

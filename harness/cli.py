@@ -1,0 +1,521 @@
+"""The experiment driver behind `python dqn.py` (and pg.py, actor_critic.py):
+parse and check the flags, set up or resume the run directory, compile the
+phases, loop over epochs (Trax's Agent.run) writing metrics, checkpoints and
+TensorBoard, and finish with summary.json."""
+
+import contextlib
+import dataclasses
+import datetime
+import importlib
+import importlib.util
+import json
+import os
+import signal
+import sys
+import time
+import typing
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import common
+from harness import devices
+from harness import flags
+from harness import rundir
+
+
+def _mean_min(values):
+    values = np.asarray(values, np.float64)
+    finite = values[np.isfinite(values)]
+    if finite.size == 0:
+        return 'n/a'
+    if values.size == 1:
+        return f'{finite[0]:.1f}'
+    return f'{finite.mean():.1f} (min {finite.min():.1f})'
+
+
+def _duration(seconds):
+    seconds = int(round(seconds))
+    if seconds >= 3600:
+        return f'{seconds // 3600}h{seconds % 3600 // 60:02d}m'
+    return f'{seconds // 60}m{seconds % 60:02d}s' if seconds >= 60 else f'{seconds}s'
+
+
+def recent_returns(history, n_runs):
+    """Per run, rl/avg_return of the last epoch in history in which some episode ended."""
+    recent = np.full(n_runs, np.nan)
+    for record in sorted(history, key=lambda r: r['epoch']):
+        if record.get('rl/avg_return') is not None:
+            recent[record['run']] = record['rl/avg_return']
+    return recent
+
+
+def epoch_line(epoch, epochs, metrics, recent_return, seconds, seconds_left):
+    """One human line: epoch k/N, returns (mean, min over runs), losses, time.
+
+    `recent_return` is per run the mean return of the episodes that finished
+    most recently (in this epoch, or the last one where any did).
+    """
+    parts = [f'epoch {epoch:{len(str(epochs))}d}/{epochs}',
+             f'steps {int(np.max(metrics["rl/n_interactions"]))}',
+             f'return {_mean_min(recent_return)}']
+    for name in metrics:
+        if name.startswith('rl/avg_return_temperature'):
+            short = name[len('rl/avg_return_'):].replace('temperature', 'T').replace('_steps', '@')
+            parts.append(f'eval {short} {_mean_min(metrics[name])}')
+    for name in ('metrics/value_loss', 'metrics/policy_loss', 'metrics/exploration_rate'):
+        if name in metrics:
+            parts.append(f'{name.split("/")[1]} {float(np.nanmean(metrics[name])):.4g}')
+    parts.append(f'{seconds:.2f}s')
+    parts.append(f'left {_duration(seconds_left)}')
+    return ' | '.join(parts)
+
+
+# Fields that may change between a run and its resumption.
+HARMLESS_FIELDS = {'epochs', 'checkpoint_every'}
+
+
+def _fail(prog, message, status=2, local=False):
+    """One line on stderr, then exit. Over several processes an error every
+    process meets alike is said by process 0 alone; a `local` one by its own."""
+    if local or devices.is_writer():
+        print(f'{prog}: error: {message}', file=sys.stderr)
+    sys.exit(status)
+
+
+def _prepare_output_dir(path, prog):
+    if os.path.exists(path) and not os.path.isdir(path):
+        _fail(prog, f'--output-dir {path} exists and is not a directory')
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as error:
+        _fail(prog, f'cannot create --output-dir {path}: {error.strerror}')
+    if not os.access(path, os.W_OK | os.X_OK):
+        _fail(prog, f'--output-dir {path} is not writable')
+
+
+@contextlib.contextmanager
+def _writer_lock(path):
+    """output_dir_lock, held by process 0 alone (the one writer); a refusal
+    stops every process."""
+    with contextlib.ExitStack() as stack:
+        with devices.agreement():
+            if devices.is_writer():
+                stack.enter_context(rundir.output_dir_lock(path))
+        yield
+
+
+class _Interrupt:
+    """First Ctrl-C: finish the epoch, checkpoint, stop. Second: stop now."""
+
+    def __init__(self):
+        self.requested = False
+
+    def __enter__(self):
+        self.previous = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+        print('interrupt: finishing this epoch, then saving (Ctrl-C again to abandon it)',
+              file=sys.stderr, flush=True)
+
+    def __exit__(self, *exc):
+        signal.signal(signal.SIGINT, self.previous)
+        return False
+
+
+def _finite_floats(tree):
+    return jnp.all(jnp.asarray([jnp.all(jnp.isfinite(leaf)) for leaf in jax.tree.leaves(tree)
+                                if jnp.issubdtype(leaf.dtype, jnp.floating)] or [True]))
+
+
+def config_differences(saved, current):
+    return sorted(name for name in set(saved) | set(current)
+                  if name not in HARMLESS_FIELDS and saved.get(name) != current.get(name))
+
+
+def main(config_cls, make_agent, check_hyperparameters, prog, description, argv=None,
+         env_settings=None, settings_mode_field=None):
+    """The command line of dqn.py / pg.py: parse flags, then fill in the flags
+    not given: from the env's settings, and on resume from the saved config
+    (defaults < env settings < saved config < flags given); check every run's
+    hyperparameters, then run (or resume, or only evaluate) the experiment."""
+    parser = flags.build_parser(config_cls, prog, description, env_settings)
+    args = parser.parse_args(argv)
+    args.given = flags.given_flags(parser, argv)
+    applied = flags.apply_env_settings(config_cls, args, env_settings, settings_mode_field)
+    try:
+        saved = flags.saved_run_config(args.output_dir)
+        args.sees_saved_run = saved is not None  # processes must agree (check_same_flags)
+        if saved is not None:  # resume: what the command line leaves out is the saved run's
+            flags.take_saved_config(config_cls, args, saved)
+        elif applied and not args.quiet:
+            print(f'{prog}: settings for {args.env}: {flags.settings_flags(applied)}'
+                  + ' (a flag on the command line overrides each)', flush=True)
+        elif applied is None and not args.quiet:
+            mode = flags.settings_flags({settings_mode_field: env_settings[args.env][settings_mode_field]})
+            print(f'{prog}: the settings for {args.env} are for {mode}: not applied to '
+                  f'{flags.settings_flags({settings_mode_field: getattr(args, settings_mode_field)})}',
+                  flush=True)
+        config, grid = flags.config_and_grid(config_cls, args)
+        flags.check_run_flags(args)
+        common.check_fields(config, grid)
+        check_hyperparameters(config, common.expand_runs(config, grid, args.seed, 1))
+    except common.UsageError as error:
+        parser.error(str(error))
+    return run_experiment(make_agent, config, grid, args, prog)
+
+
+def run_experiment(make_agent, config, grid, args, prog):
+    """Parse-independent driver: set up, resume, loop epochs, save results."""
+    try:
+        return _run_experiment(make_agent, config, grid, args, prog)
+    except common.UsageError as error:
+        _fail(prog, str(error), local=getattr(error, 'local', False))
+    except ValueError as error:  # corrupt / mismatched checkpoint, remaining_evals
+        _fail(prog, str(error), status=1, local=getattr(error, 'local', False))
+    except (jax.errors.JaxRuntimeError, MemoryError) as error:
+        if devices._processes.started and devices._lost_contact(error):
+            devices.lost_a_process(prog, error)
+        if not devices._out_of_memory(error):
+            raise
+        # check_memory's estimate is a floor; this is XLA finding it short.
+        first_line = (str(error).strip().splitlines() or ['MemoryError'])[0][:300]
+        _fail(prog, f'out of memory: {first_line}; any checkpoint in --output-dir is kept '
+                    '(lower --num-seeds, the grid or the buffer sizes)', status=1)
+
+
+def _run_experiment(make_agent, config, grid, args, prog):
+    run = _set_up(make_agent, config, grid, args, prog)
+    with _writer_lock(run.output_dir):  # one writer per run dir, from here on
+        return _locked_experiment(run, args, prog)
+
+
+def _locked_experiment(run, args, prog):
+    _find_saved_run(run)
+    state, phases, finite = _compile_phases(run, args)
+    if run.resuming:
+        state = _restore(run, state)
+    elif not args.only_eval and devices.is_writer():
+        rundir.atomic_write_bytes(os.path.join(run.output_dir, 'config.json'),
+                           json.dumps(run.run_config, indent=2).encode())
+    if args.only_eval:
+        return _only_eval(run, phases, state, args)
+    last = _epoch_loop(run, phases, finite, state, args, prog)
+    _finish(run, args)
+    return last
+
+
+@dataclasses.dataclass
+class _Run:
+    """What the driver's pieces share about one experiment (all its runs)."""
+    agent: common.Agent
+    config: typing.Any
+    runs: list  # one dict per run: seed and grid values
+    hp: typing.Any  # the runs' hyperparameters, [n_runs, ...] on `sharding`
+    keys: typing.Any  # one PRNG key per run
+    sharding: typing.Any
+    output_dir: str
+    run_config: dict  # what config.json and the checkpoint record
+    resuming: bool
+    wall_start: float
+    compile_s: float = 0.0
+    start_epoch: int = 0
+    history: list = dataclasses.field(default_factory=list)  # metric records so far
+
+    @property
+    def checkpoint_path(self):
+        return os.path.join(self.output_dir, 'checkpoint.npz')
+
+    @property
+    def previous_path(self):
+        return os.path.join(self.output_dir, 'checkpoint.prev.npz')
+
+    @property
+    def metrics_path(self):
+        return os.path.join(self.output_dir, 'metrics.jsonl')
+
+
+def _set_up(make_agent, config, grid, args, prog):
+    """Check the flags and the output dir before compiling; write nothing."""
+    wall_start = time.time()
+    flags.enable_compile_cache(getattr(args, 'compile_cache', None))
+    flags.check_run_flags(args)
+    if getattr(args, 'tensorboard', True) and importlib.util.find_spec('tensorboardX') is None:
+        raise common.UsageError('TensorBoard summaries need the tensorboardX package '
+                         '(pip install -r requirements.txt); or pass --no-tensorboard')
+    devices.start_processes(args, prog)  # with the process flags: connect, before any JAX work
+    devices.check_same_flags(args)
+    runs = common.expand_runs(config, grid, args.seed, args.num_seeds)
+    agent = make_agent(config)  # validates the config and the env
+    hp = common.hyperparameters(config, runs)
+    sharding = devices._run_sharding(len(runs), args.device)
+
+    output_dir = args.output_dir
+    if output_dir is None:
+        if args.only_eval:
+            raise common.UsageError('--only-eval needs --output-dir of a saved run')
+        now = datetime.datetime.fromtimestamp(devices.from_process_0(int(time.time())))
+        output_dir = os.path.join(
+            'runs', f'{agent.name}_{config.env}_s{args.seed}_{now.strftime("%Y%m%d-%H%M%S")}')
+    checkpoint_path = os.path.join(output_dir, 'checkpoint.npz')
+    with devices.agreement():  # this host's memory and (process 0) files
+        devices.check_memory(agent, hp, jax.ShapeDtypeStruct((len(runs), 2), jnp.uint32),
+                     sorted(sharding.device_set, key=lambda device: device.id),
+                     agent.memory_flags)
+        if devices.is_writer():
+            if args.only_eval and not any(os.path.isfile(os.path.join(output_dir, name))
+                                          for name in ('checkpoint.npz', 'checkpoint.prev.npz')):
+                # (checkpoint.npz alone is briefly absent while a running writer saves)
+                raise common.UsageError(f'--only-eval: no checkpoint at {checkpoint_path}')
+            _prepare_output_dir(output_dir, prog)
+
+    run_config = {'algorithm': agent.name, **dataclasses.asdict(config), 'grid': grid,
+                  'seed': args.seed, 'num_seeds': args.num_seeds}
+    run_config = json.loads(json.dumps(run_config))  # tuples -> lists, as saved
+    # Each run's key is PRNGKey(its seed), built in one call (not one per run).
+    keys = jax.vmap(jax.random.PRNGKey)(jnp.asarray([run['seed'] for run in runs], jnp.int32))
+    return _Run(agent=agent, config=config, runs=runs, hp=devices.put_global(hp, sharding),
+                keys=devices.put_global(keys, sharding), sharding=sharding, output_dir=output_dir,
+                run_config=run_config, resuming=False, wall_start=wall_start)
+
+
+def _find_saved_run(run):
+    """Is there a run to resume (process 0 decides)? Refuse a broken checkpoint
+    or another config before compiling."""
+    if devices.is_writer() and not os.path.exists(run.checkpoint_path) \
+            and os.path.exists(run.previous_path):
+        # A crash between the two renames of a save: the previous one is whole.
+        os.replace(run.previous_path, run.checkpoint_path)
+    run.resuming = bool(devices.from_process_0(os.path.exists(run.checkpoint_path)))
+    with devices.agreement():  # every process reads the checkpoint to resume
+        if run.resuming and not os.path.exists(run.checkpoint_path):
+            raise common.UsageError(f'process 0 resumes from {run.checkpoint_path}, which this '
+                             'process cannot see; --output-dir must be on a filesystem every '
+                             'process shares')
+        if run.resuming:
+            _check_saved_config(run)
+
+
+def _check_saved_config(run):
+    """The saved run's config must be this one, up to HARMLESS_FIELDS."""
+    try:
+        saved = rundir.read_checkpoint_metadata(run.checkpoint_path)
+    except ValueError as error:
+        hint = (f'; the previous checkpoint {run.previous_path} is intact: move it to '
+                f'{run.checkpoint_path} to resume from it' if os.path.exists(run.previous_path)
+                else '')
+        raise ValueError(f'{error}{hint}') from None
+    differing = config_differences(saved['config'], run.run_config)
+    if differing == ['lr_decay_epochs']:  # --epochs grew; the schedule is pinned
+        raise common.UsageError(flags.pinned_schedule_message(run.output_dir,
+                                                 saved['config']['lr_decay_epochs']))
+    if differing:
+        raise common.UsageError(
+            f'{run.output_dir} holds a run with a different config; differing: '
+            + ', '.join(f'{name} (saved {saved["config"].get(name)!r}, now '
+                        f'{run.run_config.get(name)!r})' for name in differing)
+            + '; use another --output-dir')
+
+
+def _compile_phases(run, args):
+    """Compile init, the three phases and the finiteness check; run init.
+    Returns (initial state, {phase name: compiled}, compiled finite check)."""
+    compile_start = time.time()
+    sharding = run.sharding
+    options = common.compiler_options(getattr(args, 'batch_invariant', True))
+    def compiled(function, *example):  # every leaf of every input/output is [n_runs, ...]
+        vectorized = jax.vmap(function)
+        if isinstance(sharding, jax.sharding.NamedSharding):
+            # Each device runs the same vmapped program on its slice of runs, so
+            # results are bitwise those of one device (GSPMD's rewrite is not).
+            spec = sharding.spec
+            vectorized = jax.shard_map(vectorized, mesh=sharding.mesh,
+                                       in_specs=(spec,) * len(example), out_specs=spec,
+                                       check_vma=False)
+        return jax.jit(vectorized, in_shardings=sharding, out_shardings=sharding).lower(
+            *example).compile(compiler_options=options)
+    state = compiled(run.agent.init, run.keys, run.hp)(run.keys, run.hp)
+    phases = {name: compiled(getattr(run.agent, name), run.hp, state)
+              for name in ('collect', 'train', 'evaluate')}
+    # Per run, [n_runs] (no reduction across devices or processes).
+    finite = compiled(lambda hp, state: _finite_floats(state.params), run.hp, state)
+    run.compile_s = time.time() - compile_start
+    return state, phases, finite
+
+
+def _restore(run, state):
+    """Load the checkpoint into `state`'s structure; set start_epoch and history."""
+    config = run.config
+    with devices.agreement():
+        restored, saved = rundir.load_checkpoint(run.checkpoint_path, state)
+    state = devices.put_global(restored, run.sharding)
+    run.start_epoch = saved['epoch']
+    run.history = rundir.read_history(run.metrics_path, run.start_epoch) if devices.is_writer() else []
+    # Trax's check that the trainer is at an epoch boundary.
+    for step in np.unique(np.asarray(restored.train_step)):
+        try:
+            left = common.remaining_evals(int(step), run.start_epoch + 1, config.train_steps_per_epoch,
+                                   config.evals_per_epoch)
+        except ValueError as error:
+            left = error
+        if left != config.evals_per_epoch:
+            raise ValueError(f'checkpoint {run.checkpoint_path}: trainer step {int(step)} is not '
+                             f'at the end of epoch {run.start_epoch} ({left} evals left)')
+    return state
+
+
+def _only_eval(run, phases, state, args):
+    """--only-eval: one evaluation of the saved parameters, into eval.jsonl."""
+    _, metrics = phases['evaluate'](run.hp, state)
+    metrics = devices.gather(metrics)
+    if not devices.is_writer():
+        return metrics
+    records = rundir.metric_records(run.start_epoch, metrics, run.runs)
+    rundir.write_jsonl(os.path.join(run.output_dir, 'eval.jsonl'), records)
+    if not args.quiet:
+        for name, values in metrics.items():
+            print(f'epoch {run.start_epoch} {name}: {_mean_min(values)}')
+    return metrics
+
+
+def _run_epoch(run, phases, state):
+    """Collect, train, evaluate: (state, metrics as numpy [n_runs], with timings)."""
+    n_runs = len(run.runs)
+    epoch_start = time.time()
+    state, collect_metrics = phases['collect'](run.hp, state)
+    jax.block_until_ready(state)
+    collect_s = time.time() - epoch_start
+    state, train_metrics = phases['train'](run.hp, state)
+    jax.block_until_ready(state)
+    train_s = time.time() - epoch_start - collect_s
+    state, eval_metrics = phases['evaluate'](run.hp, state)
+    metrics = devices.gather({**collect_metrics, **train_metrics, **eval_metrics})
+    new_steps = metrics.pop('rl/new_interactions')
+    metrics['rl/n_interactions_per_second'] = new_steps / max(collect_s, 1e-9)
+    metrics['timing/collect'] = np.full(n_runs, collect_s)
+    metrics['timing/train'] = np.full(n_runs, train_s)
+    metrics['timing/epoch'] = np.full(n_runs, time.time() - epoch_start)
+    metrics['timing/since_start'] = np.full(n_runs, time.time() - run.wall_start)
+    return state, metrics
+
+
+def _epoch_loop(run, phases, finite, state, args, prog):
+    """Epochs start_epoch+1 .. config.epochs: metrics, checkpoints, the NaN guard
+    and Ctrl-C. Returns the last epoch's metrics."""
+    config = run.config
+    # The checkpoint decides: drop lines of epochs after it (they are redone).
+    if devices.is_writer():
+        rundir.atomic_write_bytes(run.metrics_path, b''.join(
+            (json.dumps(record) + '\n').encode() for record in run.history))
+    last = {}
+    progress = _Progress(run)
+    with _Interrupt() as interrupt, \
+            rundir.Summaries(run.output_dir, run.runs, run.run_config, run.history,
+                      enabled=getattr(args, 'tensorboard', True) and devices.is_writer()) as summaries:
+        for epoch in range(run.start_epoch + 1, config.epochs + 1):
+            epoch_start = time.time()
+            state, metrics = _run_epoch(run, phases, state)
+            bad = [name for name, values in metrics.items()
+                   if name.startswith('metrics/') and not np.all(np.isfinite(values))]
+            if bad or not np.all(devices.gather(finite(run.hp, state))):
+                what = ', '.join(bad) if bad else 'network parameters'
+                _fail(prog, f'non-finite {what} in epoch {epoch}; stopped, the checkpoint '
+                            f'of epoch {epoch - 1} in {run.output_dir} is kept', status=1)
+            records = rundir.metric_records(epoch, metrics, run.runs)
+            run.history.extend(records)
+            # Metrics first, then the checkpoint: a crash between the two leaves
+            # lines of an epoch the resumed run recomputes identically.
+            if devices.is_writer():
+                rundir.write_jsonl(run.metrics_path, records)
+                summaries.write(records)
+            interrupted = devices.any_process(interrupt.requested)  # all processes stop together
+            out_of_time = progress.out_of_time(epoch, getattr(args, 'time_limit', None))
+            if epoch % config.checkpoint_every == 0 or epoch == config.epochs or interrupted \
+                    or out_of_time:
+                whole_state = devices.gather(state)  # every process takes part
+                if devices.is_writer():
+                    rundir.save_checkpoint(run.checkpoint_path, whole_state,
+                                    {'config': run.run_config, 'epoch': epoch},
+                                    previous=run.previous_path)
+            last = metrics
+            line = progress.line(epoch, metrics, time.time() - epoch_start)
+            if not args.quiet and devices.is_writer():
+                print(line, flush=True)
+            if interrupted:
+                if devices.is_writer():
+                    print(f'interrupted after epoch {epoch}; rerun with --output-dir '
+                          f'{run.output_dir} to resume', file=sys.stderr)
+                sys.exit(130)
+            if out_of_time and epoch < config.epochs:
+                if not args.quiet and devices.is_writer():
+                    print(f'time limit: stopped after epoch {epoch} of {config.epochs}; rerun '
+                          f'with --output-dir {run.output_dir} to go on', flush=True)
+                break
+    return last
+
+
+class _Progress:
+    """The per-epoch line's state: each run's most recent return, the time left."""
+
+    def __init__(self, run):
+        self.recent = recent_returns(run.history, len(run.runs))
+        self.first, self.epochs, self.start = run.start_epoch, run.config.epochs, time.time()
+        self.wall_start = run.wall_start
+
+    def out_of_time(self, epoch, time_limit):
+        """Would another epoch end past `time_limit` seconds from the start?
+        (Process 0's clock decides for all processes.)"""
+        if time_limit is None:
+            return False
+        now = time.time()
+        per_epoch = (now - self.start) / (epoch - self.first)
+        return bool(devices.from_process_0(int(now - self.wall_start + per_epoch > time_limit)))
+
+    def line(self, epoch, metrics, seconds):
+        returns = metrics['rl/avg_return']
+        self.recent = np.where(np.isfinite(returns), returns, self.recent)
+        per_epoch = (time.time() - self.start) / (epoch - self.first)
+        return epoch_line(epoch, self.epochs, metrics, self.recent, seconds,
+                          per_epoch * (self.epochs - epoch))
+
+
+def _finish(run, args):
+    """summary.json, the optional plot and the final line (process 0's)."""
+    if not devices.is_writer():
+        return
+    summary = _summary(run.agent, run.config, run.runs, run.history, run.wall_start,
+                       run.compile_s, getattr(args, 'batch_invariant', True))
+    rundir.atomic_write_bytes(os.path.join(run.output_dir, 'summary.json'),
+                       json.dumps(summary, indent=2).encode())
+    if args.plot:
+        rundir.plot_learning_curves(run.history, run.agent, run.config.env,
+                             os.path.join(run.output_dir, 'learning_curve.png'))
+    if not args.quiet:
+        finals = summary['final_eval_return']
+        print(f'done: {len(run.runs)} run(s), final greedy return {_mean_min(finals)}, '
+              f'wall {summary["wall_s"]:.1f}s (compile {run.compile_s:.1f}s), '
+              f'results in {run.output_dir}')
+
+
+def _summary(agent, config, runs, history, wall_start, compile_s, batch_invariant):
+    final_epoch = max((record['epoch'] for record in history), default=0)
+    final = sorted((r for r in history if r['epoch'] == final_epoch), key=lambda r: r['run'])
+    key = common.eval_key(0.0, agent.max_steps)
+    return {
+        'algorithm': agent.name,
+        'env': config.env,
+        'seeds': [run['seed'] for run in runs],
+        'runs': runs,
+        'epochs': final_epoch,
+        'env_steps_per_seed': [r.get('rl/n_interactions') for r in final],
+        'final_eval_return': [r.get(key) for r in final],
+        'final_eval_key': key,
+        'wall_s': time.time() - wall_start,
+        'compile_s': compile_s,
+        'batch_invariant': batch_invariant,
+    }

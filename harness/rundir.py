@@ -1,0 +1,269 @@
+"""The run directory: atomic checkpoints (the state pytree and a JSON
+header in one .npz, written to a temp file and renamed, so a crash at any
+moment leaves the old or the new one), metrics.jsonl, TensorBoard event
+files, the run lock and the learning-curve plot."""
+
+import contextlib
+import fcntl
+import glob
+import io
+import json
+import math
+import os
+import time
+import zipfile
+
+import jax
+import numpy as np
+
+import common
+
+
+def _leaf_paths(tree):
+    return [jax.tree_util.keystr(path)
+            for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+
+
+def atomic_write_bytes(path, data, previous=None):
+    """Write `data` to `path` via a temp file and a rename; optionally move the
+    old file to `previous` first (in the instant between the two renames only
+    `previous` exists, and the loader falls back to it)."""
+    tmp = f'{path}.tmp-{os.getpid()}'
+    with open(tmp, 'wb') as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    if previous and os.path.exists(path):
+        os.replace(path, previous)
+    os.replace(tmp, path)
+    try:
+        directory = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
+        os.fsync(directory)
+        os.close(directory)
+    except OSError:
+        pass
+
+
+def save_checkpoint(path, state, metadata, previous=None):
+    """Atomically write `state` (any pytree of arrays) and JSON `metadata`;
+    with `previous`, the checkpoint being replaced is kept under that name."""
+    leaves = [np.asarray(leaf) for leaf in jax.tree.leaves(jax.device_get(state))]
+    header = {'paths': _leaf_paths(state), 'metadata': metadata}
+    arrays = {f'leaf_{i:05d}': leaf for i, leaf in enumerate(leaves)}
+    arrays['header'] = np.frombuffer(json.dumps(header).encode(), np.uint8)
+    buffer = io.BytesIO()
+    np.savez(buffer, **arrays)
+    atomic_write_bytes(path, buffer.getvalue(), previous)
+
+
+def read_checkpoint_metadata(path):
+    """The JSON metadata of a checkpoint; ValueError naming the file if unreadable."""
+    return _read_checkpoint(path)[0]['metadata']
+
+
+def _read_checkpoint(path):
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            header = json.loads(bytes(data['header']).decode())
+            leaves = [data[f'leaf_{i:05d}'] for i in range(len(header['paths']))]
+    except FileNotFoundError:
+        raise ValueError(f'checkpoint {path} does not exist') from None
+    except (OSError, KeyError, ValueError, EOFError, zipfile.BadZipFile, UnicodeDecodeError,
+            NotImplementedError, RuntimeError) as error:  # zipfile raises all of these
+        raise ValueError(f'checkpoint {path} is corrupt or truncated '
+                         f'({type(error).__name__}: {error})') from None
+    return header, leaves
+
+
+def load_checkpoint(path, template):
+    """(state shaped like `template`, metadata); ValueError naming the file if the
+    file is corrupt or its structure, shapes or dtypes differ from the template."""
+    header, leaves = _read_checkpoint(path)
+    expected_paths = _leaf_paths(template)
+    template_leaves, treedef = jax.tree.flatten(template)
+    if header['paths'] != expected_paths:
+        missing = sorted(set(expected_paths) - set(header['paths']))[:3]
+        extra = sorted(set(header['paths']) - set(expected_paths))[:3]
+        raise ValueError(f'checkpoint {path} has a different state structure '
+                         f'(missing {missing}, unexpected {extra})')
+    for name, leaf, want in zip(expected_paths, leaves, template_leaves):
+        if leaf.shape != tuple(want.shape) or leaf.dtype != want.dtype:
+            raise ValueError(f'checkpoint {path}: {name} is {leaf.dtype}{list(leaf.shape)}, '
+                             f'expected {want.dtype}{list(want.shape)}')
+    return jax.tree.unflatten(treedef, leaves), header['metadata']
+
+
+def _json_value(value):
+    value = float(value)
+    return value if math.isfinite(value) else None
+
+
+def metric_records(epoch, metrics, runs):
+    """Per-run JSON records for one epoch from {name: array [n_runs]}."""
+    records = []
+    for index, run in enumerate(runs):
+        record = {'epoch': epoch, 'run': index, **run}
+        record.update({name: _json_value(values[index]) for name, values in metrics.items()})
+        records.append(record)
+    return records
+
+
+def read_history(path, last_epoch):
+    """Records of epochs <= last_epoch from metrics.jsonl (a torn last line is dropped)."""
+    history = []
+    if os.path.exists(path):
+        with open(path) as f:
+            for line in f:
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+                if record.get('epoch', last_epoch + 1) <= last_epoch:
+                    history.append(record)
+    return history
+
+
+def write_jsonl(path, records, mode='a'):
+    with open(path, mode) as f:
+        for record in records:
+            f.write(json.dumps(record) + '\n')
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def run_names(runs, grid):
+    """One TensorBoard run name per run: its grid values and seed, e.g.
+    'lr=0.01,gamma=0.99,seed=3' (',run=i' added where two would coincide)."""
+    names = [','.join([f'{name}={format(run[name], "g")}' for name in grid]
+                      + [f'seed={run["seed"]}']) for run in runs]
+    return [f'{name},run={index}' if names.count(name) > 1 else name
+            for index, name in enumerate(names)]
+
+
+def config_markdown(config):
+    """The config as a markdown table, TensorBoard's text dashboard renders it."""
+    rows = [f'| {name} | {json.dumps(value)} |' for name, value in config.items()]
+    return '\n'.join(['| field | value |', '|---|---|', *rows])
+
+
+class Summaries:
+    """TensorBoard event files (tensorboardX, no TensorFlow), one directory per
+    run under <output_dir>/tb/: each metric of metrics.jsonl under its Trax tag
+    at step = epoch, and the run's config as a text summary (Trax wrote its
+    operative gin config as text).
+
+    Opening rewrites each run's events from `history` (metrics.jsonl cut at the
+    checkpoint) into a new file and only then deletes the old ones, so after a
+    resume TensorBoard shows one value per step. A no-op when not enabled.
+    """
+
+    def __init__(self, output_dir, runs, run_config, history, enabled=True):
+        self.writers, self.runs = [], runs
+        if not enabled:
+            return
+        from tensorboardX import SummaryWriter
+        grid = run_config.get('grid') or {}
+        for index, (run, name) in enumerate(zip(runs, run_names(runs, grid))):
+            directory = os.path.join(output_dir, 'tb', name)
+            old = glob.glob(os.path.join(directory, 'events.out.tfevents.*'))
+            writer = SummaryWriter(directory, flush_secs=10,  # a name no other writer had
+                                   filename_suffix=f'.{os.getpid()}.{time.time_ns()}')
+            writer.add_text('config', config_markdown({**run_config, **run}), 0)
+            self.writers.append(writer)
+            self.write([r for r in history if r['run'] == index], flush=False)
+            writer.flush()
+            for path in old:
+                os.remove(path)
+
+    def write(self, records, flush=True):
+        """Scalars of metric records (metric_records' dicts); None (non-finite) is left out."""
+        if not self.writers:
+            return
+        for record in records:
+            identity = {'epoch', 'run', *self.runs[record['run']]}
+            writer = self.writers[record['run']]
+            for tag, value in record.items():
+                if tag not in identity and value is not None:
+                    writer.add_scalar(tag, value, record['epoch'])
+        if flush:
+            for writer in self.writers:
+                writer.flush()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        for writer in self.writers:
+            writer.close()
+        return False
+
+
+LOCK_FILE = 'run.lock'
+
+
+@contextlib.contextmanager
+def output_dir_lock(path):
+    """Hold an OS lock on path/run.lock (which names our pid) while the block
+    runs. The kernel drops it when the process ends however it ends, kill -9
+    included, so a lock is never stale; a second process is refused at once."""
+    fd = os.open(os.path.join(path, LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise common.UsageError(f'another run (pid {_lock_holder(fd)}) is writing {path}') from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f'{os.getpid()}\n'.encode(), 0)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _lock_holder(fd):
+    """The pid the lock holder wrote (it writes it right after locking)."""
+    for _ in range(20):
+        text = os.pread(fd, 32, 0).decode(errors='replace').strip()
+        if text:
+            return text
+        time.sleep(0.05)
+    return 'unknown'
+
+
+def plot_learning_curves(history, agent, env_name, path):
+    """Greedy and training return vs env steps: mean line, min-max band over runs."""
+    import matplotlib
+    matplotlib.use('Agg')
+    import matplotlib.pyplot as plt
+
+    epochs = sorted({record['epoch'] for record in history})
+    n_runs = max(record['run'] for record in history) + 1
+    def table(name):
+        values = np.full((len(epochs), n_runs), np.nan)
+        for record in history:
+            value = record.get(name)
+            values[epochs.index(record['epoch']), record['run']] = np.nan if value is None else value
+        return values
+    steps = np.nanmean(table('rl/n_interactions'), axis=1)
+    figure, axis = plt.subplots(figsize=(7, 4))
+    names = [('rl/avg_return', 'training return')]
+    names += [(common.eval_key(t, h), f'greedy return (T={t:g}, {h} steps)' if t == 0 else
+               f'eval return (T={t:g}, {h} steps)')
+              for t, h in agent.eval_tags]
+    for name, label in names:
+        values = table(name)
+        if np.all(np.isnan(values)):
+            continue
+        with np.errstate(all='ignore'), __import__('warnings').catch_warnings():
+            __import__('warnings').simplefilter('ignore')
+            axis.plot(steps, np.nanmean(values, axis=1), label=label)
+            axis.fill_between(steps, np.nanmin(values, axis=1), np.nanmax(values, axis=1),
+                              alpha=0.2)
+    axis.set_xlabel('env steps per run')
+    axis.set_ylabel('return')
+    axis.set_title(f'{env_name}: {n_runs} run(s), mean and min-max band')
+    axis.legend(loc='lower right')
+    figure.tight_layout()
+    tmp = path + '.tmp.png'
+    figure.savefig(tmp, dpi=100)
+    plt.close(figure)
+    os.replace(tmp, path)
