@@ -84,6 +84,14 @@ def build_parser(config_cls, prog, description, env_settings=None):
     with the table of per-env settings."""
     parser = ArgumentParser(prog=prog, description=description, formatter_class=_HelpFormatter,
                             epilog=None if env_settings is None else env_settings_help(env_settings))
+    _add_config_flags(parser, config_cls)
+    _add_run_flags(parser)
+    _add_process_flags(parser)
+    return parser
+
+
+def _add_config_flags(parser, config_cls):
+    """One flag per Config field, its help line ending in the constraint."""
     hints = typing.get_type_hints(config_cls)
     for field in dataclasses.fields(config_cls):
         flag = '--' + field.name.replace('_', '-')
@@ -106,6 +114,10 @@ def build_parser(config_cls, prog, description, env_settings=None):
             parser.add_argument(*flags, dest=field.name, default=field.default,
                                 type=_flag_parser(kind, is_tuple, optional, sweep, flags[0]),
                                 metavar=kind.__name__.upper(), help=help_text)
+
+
+def _add_run_flags(parser):
+    """Flags of the run rather than the algorithm: seeds, output, devices, files."""
     run = parser.add_argument_group('run')
     run.add_argument('--seed', type=_flag_parser(int, False, False, False, '--seed'),
                      default=0, help='first seed; runs use seed, seed+1, ...')
@@ -144,6 +156,10 @@ def build_parser(config_cls, prog, description, env_settings=None):
     run.add_argument('--compile-cache', default=DEFAULT_COMPILE_CACHE,
                      help="XLA's persistent compilation cache dir ('none': off); a rerun "
                           'of the same program skips most of its compile time')
+
+
+def _add_process_flags(parser):
+    """jax.distributed's flags: one sweep over several processes or hosts."""
     processes = parser.add_argument_group(
         'processes', 'one sweep over several processes or hosts (jax.distributed): start '
         'every process with the same flags but --process-id; the runs are sharded over all '
@@ -166,7 +182,6 @@ def build_parser(config_cls, prog, description, env_settings=None):
                            type=_flag_parser(float, False, False, False, '--coordinator-timeout'),
                            help='stop with an error if the processes are not all connected '
                                 'within this time')
-    return parser
 
 
 def given_flags(parser, argv):

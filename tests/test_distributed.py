@@ -352,16 +352,16 @@ def test_distributed_auto_reads_slurm(cache_dir, tmp_path):
 
 
 def test_readme_localhost_example_runs_as_written(cache_dir, tmp_path):
-    """README's two-process block, run by bash in a fresh dir with `python`
+    """docs/usage.md's two-process block, run by bash in a fresh dir with `python`
     this interpreter; only the port is swapped for a free one (and the compile
     cache is the tests', by JAX_COMPILATION_CACHE_DIR)."""
-    text = open(os.path.join(ROOT, 'README.md')).read()
+    text = open(os.path.join(ROOT, 'docs', 'usage.md')).read()
     start = text.index('```bash\nfor i in 0 1; do\n')
     block = text[start + len('```bash\n'):text.index('```', start + 3)]
     assert '--coordinator-address 127.0.0.1:23456' in block and 'wait' in block
     block = block.replace('127.0.0.1:23456', f'127.0.0.1:{free_port()}')
     bin_dir = os.path.dirname(sys.executable)  # a virtualenv's bin has `python`
-    for script in ('dqn.py', 'pg.py', 'common.py'):
+    for script in ('dqn.py', 'pg.py', 'common.py', 'harness'):
         (tmp_path / script).symlink_to(os.path.join(ROOT, script))
     env = dict(environment(1), PATH=f'{bin_dir}{os.pathsep}{os.environ["PATH"]}',
                JAX_COMPILATION_CACHE_DIR=cache_dir)
