@@ -1,16 +1,18 @@
 """DQN after Trax's `ValueAgent` + `DQN` (trax/rl/training.py), in pure JAX.
 
 One epoch = collect (epsilon-greedy, gymnax envs) -> train (n-step double-DQN
-targets from a replay of the last epochs) -> greedy evaluation. Each phase is a
-pure function of the state pytree, and so is the whole epoch (`agent.epoch`),
-vmapped over runs (seeds x hyperparameter grid) and compiled once; Python only
-loops over epochs.
+targets from a replay of the last epochs) -> greedy evaluation. `make_agent`
+derives a static `Spec` from the config; each phase is a module-level pure
+function of it, `phase(spec, hp, state) -> (state, metrics)`, and so is the
+whole epoch (`agent.epoch`), vmapped over runs (seeds x hyperparameter grid)
+and compiled once.
 
-Fixed relative to Trax (docs/trax.md, section 6): terminal and truncated
-transitions are regression targets; n-step sums stop at termination;
-time-limit truncation bootstraps from the true final observation instead of
-being treated as a terminal; `n_replay_epochs` really keeps that many epochs;
-the target network is synced exactly every `sync_freq` gradient steps.
+Fixed relative to Trax (why: docs/trax.md section 6; notes: docs/dqn.md):
+  - terminal and truncated transitions are regression targets;
+  - n-step sums stop at termination, and truncation bootstraps from the
+    true final observation;
+  - `n_replay_epochs` really keeps that many epochs;
+  - the target network syncs exactly every `sync_freq` gradient steps.
 
     python dqn.py --seed 0                 # CartPole-v1, greedy return 500
     python dqn.py --num-seeds 8            # 8 seeds in one vmapped program
@@ -90,66 +92,6 @@ class Config:
 # DQN (Young & Tian 2019: conv 16 -> dense 128, target sync 1000, replay 100k,
 # 5M frames) shrunk to a CPU budget of a few minutes: 60 epochs of 512 steps,
 # epsilon down to 0.05 within them, Adam 1e-3. On a GPU raise --epochs and
-# slow the decay (README, "Beyond CartPole").
-MINATAR = {'hidden_sizes': (128,), 'batch_size': 64, 'lr': 1e-3, 'sync_freq': 250,
-           'n_replay_epochs': 100, 'epochs': 60, 'exploration_decay_factor': 0.95,
-           'exploration_minimum': 0.05,
-           # Greedy evaluation runs every epoch; 8 episodes of up to 1000 steps
-           # (Freeway: always 2500) keep it from costing more than the training.
-           'n_eval_episodes': 8}
-
-# Per-env settings: the fields that differ from the generic defaults above (the
-# CartPole-v1 ones), used when --env names the env and the flag is not given
-# (a flag on the command line wins). Tuned on seeds 8-11, checked on seeds 0-7
-# by tests/results.py (docs/results.md). Envs not listed (DeepSea-bsuite,
-# MemoryChain-bsuite, the bandits, MetaMaze-misc) run with the defaults: see
-# docs/results.md for why their baselines are out of reach of a memoryless agent.
-ENV_SETTINGS = {
-    # 1e-2 overshoots on Catch's 50 inputs (one of seeds 8-11 ended at -0.44);
-    # 3e-3 and 1e-3 both catch every ball on seeds 8-11.
-    'Catch-bsuite': {'epochs': 60, 'lr': 3e-3},
-    # Every step but the last pays a +-1 coin flip, so one episode's return has
-    # std 3 whatever the policy: 32 evaluation episodes (std 0.53) cannot tell
-    # a solved run from an unsolved one; 8192 give std 0.033 (16384: over 2 min).
-    'UmbrellaChain-bsuite': {'n_eval_episodes': 8192},
-    # Chain 0 pays 1.1 at once, the others 1 later: the optimal choice is the
-    # same for any gamma, but at 0.99 the Q-values of the five chains lie within
-    # 0.1 of one another and half the seeds' nets rank them wrong; at 0.7 they
-    # are far apart (1.1 vs at most 0.49).
-    'DiscountingChain-bsuite': {'gamma': 0.7, 'lr': 3e-3},
-    # Fixed start and goal, 1/3 of actions replaced by random ones: 5-step
-    # returns carry the goal reward back faster; gamma 0.95 (not 0.99) keeps
-    # the slip-noisy far states from swamping the values (0.99: mean 0.55).
-    # The goal reward is sparse: epsilon decays 0.97 an epoch, not 0.9 (with
-    # 0.9 and 200 epochs seed 2 ended at 0.06); 150 epochs: 1.0 on seeds 8-15.
-    'FourRooms-misc': {'epochs': 150, 'max_slice_length': 6, 'lr': 3e-3, 'gamma': 0.95,
-                       'exploration_decay_factor': 0.97},
-    # Twice the gradient steps per env step, a wider net and 56k steps: -76.4
-    # on seeds 16-23 (80 epochs: -82.4; 64x64 at lr 3e-3 levels off at -82;
-    # the defaults: -93). Also tried on seeds 8-11, all worse: gamma 0.98 or
-    # 0.995, 1- or 5-step returns, 512 gradient steps an epoch, target sync
-    # every 100 steps.
-    'Acrobot-v1': {'epochs': 110, 'train_steps_per_epoch': 256, 'lr': 2e-3,
-                   'hidden_sizes': (128, 128)},
-    # Arm 0 pays 0, arm 1 mu ~ N(-1, 1) per episode: at gamma 0.99 the nets
-    # overrate arm 1 (mean -0.5 on seeds 8-11); at 0.9 they keep to arm 0.
-    'GaussianBandit-misc': {'gamma': 0.9, 'lr': 3e-3},
-    # Sparse: nothing until epsilon-greedy first reaches the flag. Slower epsilon
-    # decay (0.97 per epoch: 0.05 after 100 epochs) and 5-step returns.
-    'MountainCar-v0': {'epochs': 100, 'max_slice_length': 6, 'lr': 3e-3,
-                       'exploration_decay_factor': 0.97},
-    **{name: MINATAR for name in ('Breakout-MinAtar', 'Freeway-MinAtar',
-                                  'SpaceInvaders-MinAtar', 'Seaquest-MinAtar')},
-    # Asterix pays +1 a gold coin, about 0.6 an episode early on (true values
-    # about 0.4), and hides the spawn and move timers: with MINATAR's settings
-    # the Q-values climb to 2-17 and the greedy policy is no better than random
-    # after 250k steps. Unscaled targets (the net's initial outputs are then on
-    # the values' scale, not 100x it), lr 3e-4 and gamma 0.95 keep the
-    # values near the returns (0.4 on seeds 8-9, where 0.99 climbs past 1.6).
-    'Asterix-MinAtar': {**MINATAR, 'scale_value_targets': False, 'lr': 3e-4, 'gamma': 0.95},
-}
-
-
 class Replay(NamedTuple):
     """Ring of `n_replay_epochs` blocks, one per epoch; `count` valid rows each.
 
@@ -178,6 +120,28 @@ class State(NamedTuple):
     train_step: jax.Array
     n_interactions: jax.Array
     n_trajectories: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class Spec:
+    """What make_agent derives from the config, fixed for the whole run: the
+    first argument of every phase below. Plain Python values, never traced."""
+    config: Config  # its static fields: hidden_sizes, double_dqn, smoothl1loss, ...
+    env: object  # the gymnax env
+    env_params: object
+    obs_shape: tuple
+    obs_dtype: object  # observations' dtype in the replay
+    n_actions: int
+    torso: str  # 'mlp' or 'conv' (--torso auto resolved)
+    n_envs: int  # envs stepped per epoch and run
+    steps: int  # steps of each env per epoch
+    block_size: int  # replay rows per epoch: n_envs * steps
+    n_step: int  # max_slice_length - 1
+    chunk_steps: int  # gradient steps per metrics chunk
+    total_train_steps: int  # the learning-rate schedule's length
+    eval_tags: tuple  # ((temperature, horizon), ...) evaluated each epoch
+    max_steps: int  # the episode cap actually used
+    fresh_episodes: bool  # n_trajectories mode: every env plays one fresh episode an epoch
 
 
 # ---------------------------------------------------------------------------
@@ -265,31 +229,9 @@ def sample_indices(key, count, shape):
 
 
 # ---------------------------------------------------------------------------
-# The agent: a static Spec derived from the config, and the phases as pure
-# functions of (spec, hp, state); hp holds the run's traced hyperparameters.
+# The phases: pure functions of (spec, hp, state), where hp holds the run's
+# traced hyperparameters; then make_agent, which binds the spec to them.
 # ---------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class Spec:
-    """What make_agent derives from the config, fixed for the whole run: the
-    first argument of every phase below. Plain Python values, never traced."""
-    config: Config  # its static fields: hidden_sizes, double_dqn, smoothl1loss, ...
-    env: object  # the gymnax env
-    env_params: object
-    obs_shape: tuple
-    obs_dtype: object  # observations' dtype in the replay
-    n_actions: int
-    torso: str  # 'mlp' or 'conv' (--torso auto resolved)
-    n_envs: int  # envs stepped per epoch and run
-    steps: int  # steps of each env per epoch
-    block_size: int  # replay rows per epoch: n_envs * steps
-    n_step: int  # max_slice_length - 1
-    chunk_steps: int  # gradient steps per metrics chunk
-    total_train_steps: int  # the learning-rate schedule's length
-    eval_tags: tuple  # ((temperature, horizon), ...) evaluated each epoch
-    max_steps: int  # the episode cap actually used
-    fresh_episodes: bool  # n_trajectories mode: every env plays one fresh episode an epoch
 
 
 def value_scale(spec, hp):
@@ -602,6 +544,43 @@ def storage_dtype(config, env, env_params):
     # The dtype reset returns, found by tracing it (nothing runs).
     obs, _ = jax.eval_shape(lambda: env.reset(jax.random.PRNGKey(0), env_params))
     return obs.dtype
+
+
+# ---------------------------------------------------------------------------
+# Per-env settings: the fields that differ from the generic defaults (the
+# CartPole-v1 ones), used when --env names the env and the flag is not given
+# (a flag on the command line wins). Why each value: docs/dqn.md.
+# ---------------------------------------------------------------------------
+
+# The MinAtar paper's DQN shrunk to a few CPU minutes; 8 evaluation episodes
+# keep the evaluation from costing more than the training.
+MINATAR = {'hidden_sizes': (128,), 'batch_size': 64, 'lr': 1e-3, 'sync_freq': 250,
+           'n_replay_epochs': 100, 'epochs': 60, 'exploration_decay_factor': 0.95,
+           'exploration_minimum': 0.05, 'n_eval_episodes': 8}
+
+ENV_SETTINGS = {
+    # 1e-2 overshoots on Catch's 50 inputs.
+    'Catch-bsuite': {'epochs': 60, 'lr': 3e-3},
+    # A return's std is 3 whatever the policy: 32 episodes cannot tell solved from not.
+    'UmbrellaChain-bsuite': {'n_eval_episodes': 8192},
+    # At gamma 0.99 the five chains' Q-values lie within 0.1: half the nets rank them wrong.
+    'DiscountingChain-bsuite': {'gamma': 0.7, 'lr': 3e-3},
+    # Sparse goal, slippery moves: 5-step returns, lower gamma, slower epsilon decay.
+    'FourRooms-misc': {'epochs': 150, 'max_slice_length': 6, 'lr': 3e-3, 'gamma': 0.95,
+                       'exploration_decay_factor': 0.97},
+    # Twice the gradient steps per env step and a wider net: -76.4 (defaults: -93).
+    'Acrobot-v1': {'epochs': 110, 'train_steps_per_epoch': 256, 'lr': 2e-3,
+                   'hidden_sizes': (128, 128)},
+    # At gamma 0.99 the nets overrate the risky arm.
+    'GaussianBandit-misc': {'gamma': 0.9, 'lr': 3e-3},
+    # Sparse: slower epsilon decay and 5-step returns.
+    'MountainCar-v0': {'epochs': 100, 'max_slice_length': 6, 'lr': 3e-3,
+                       'exploration_decay_factor': 0.97},
+    **{name: MINATAR for name in ('Breakout-MinAtar', 'Freeway-MinAtar',
+                                  'SpaceInvaders-MinAtar', 'Seaquest-MinAtar')},
+    # Unscaled targets, lr 3e-4 and gamma 0.95 keep the Q-values near the returns.
+    'Asterix-MinAtar': {**MINATAR, 'scale_value_targets': False, 'lr': 3e-4, 'gamma': 0.95},
+}
 
 
 def check_config(config: Config):
