@@ -14,6 +14,7 @@ and small configs.
 """
 
 import dataclasses
+import functools
 import json
 import math
 import sys
@@ -626,6 +627,60 @@ def test_evaluate_horizons_temperatures():
     # The training envs are untouched.
     chex.assert_trees_all_equal(before.env_state, after.env_state, strict=True)
     assert int(after.epoch) == 1 and int(after.train_step) == 1
+
+
+def test_store_writes_hand_computed_n_step_rows_into_the_epochs_slot():
+    """dqn.store, called with agent.spec: 2 envs x 3 steps of hand-made records
+    become 2-step rows (gamma 0.5, the window stops at env 1's termination and
+    at the block's end), time-major, in ring slot epoch % n_replay_epochs."""
+    config = dqn.Config(env=PROBES['counter'], epochs=1, n_replay_epochs=2, gamma=0.5,
+                        **{**TINY, 'n_interactions_per_epoch': 6, 'max_slice_length': 3})
+    agent = dqn.make_agent(config)
+    spec, hp = agent.spec, single_hp(config)
+    assert (spec.n_envs, spec.steps, spec.block_size, spec.n_step) == (2, 3, 6, 2)
+    obs = jnp.arange(6.0).reshape(3, 2, 1)  # [steps, envs, 1]: obs t * 2 + env
+    terminated = jnp.asarray([[False, True], [False, False], [False, False]])
+    records = dict(obs=obs, action=jnp.asarray([[0, 1], [1, 0], [0, 0]]),
+                   reward=jnp.asarray([[1.0, 1.0], [2.0, 2.0], [4.0, 4.0]]),
+                   terminated=terminated, done=terminated, final_obs=obs + 10,
+                   valid=jnp.ones((3, 2), bool))
+    empty = agent.init(jax.random.PRNGKey(0), hp).replay
+    replay, count = jax.device_get(jax.jit(functools.partial(dqn.store, spec))(
+        hp, empty, jnp.int32(5), records))
+    assert int(count) == 6
+    np.testing.assert_array_equal(replay.count, [0, 6])  # slot 5 % 2; slot 0 untouched
+    np.testing.assert_array_equal(replay.obs[0], 0)
+    np.testing.assert_array_equal(replay.obs[1, :, 0], [0, 1, 2, 3, 4, 5])
+    np.testing.assert_array_equal(replay.action[1], [0, 1, 1, 0, 0, 0])
+    # env 0: 1 + 0.5 * 2, 2 + 0.5 * 4, 4 (end of block); env 1: 1 (terminated), then as env 0.
+    np.testing.assert_allclose(replay.reward_sum[1], [2, 1, 4, 4, 4, 4])
+    np.testing.assert_allclose(replay.bootstrap_discount[1], [0.25, 0, 0.25, 0.25, 0.5, 0.5])
+    np.testing.assert_array_equal(replay.bootstrap_obs[1, :, 0], [12, 11, 14, 15, 14, 15])
+
+
+def test_train_step_syncs_the_target_net_exactly_on_multiples_of_sync_freq():
+    """dqn.train_step, called with agent.spec: each call is one gradient step
+    (the counter +1, the online net moves); at sync_freq 2 the target net takes
+    the online net's values after steps 2 and 4 and keeps them in between."""
+    config = dqn.Config(env=PROBES['constant'], epochs=1, sync_freq=2, **TINY)
+    agent = dqn.make_agent(config)
+    spec, hp = agent.spec, single_hp(config)
+    state = agent.init(jax.random.PRNGKey(0), hp)
+    replay = state.replay  # every row: obs 0.3, reward 0.7, so the loss is not 0
+    state = state._replace(replay=replay._replace(
+        obs=jnp.full_like(replay.obs, 0.3), reward_sum=jnp.full_like(replay.reward_sum, 0.7)))
+    step = jax.jit(functools.partial(dqn.train_step, spec))
+    indices = (jnp.zeros(config.batch_size, jnp.int32), jnp.arange(config.batch_size))
+    history = [state]
+    for _ in range(4):
+        history.append(step(hp, history[-1], indices)[0])
+    history = jax.device_get(history)
+    for n, (before, after) in enumerate(zip(history, history[1:]), 1):
+        assert int(after.train_step) == n
+        assert any(not np.array_equal(a, b) for a, b in
+                   zip(jax.tree.leaves(after.params), jax.tree.leaves(before.params)))
+        synced = after.params if n % 2 == 0 else before.target_params
+        chex.assert_trees_all_equal(after.target_params, synced, strict=True)
 
 
 # ---------------------------------------------------------------------------

@@ -205,9 +205,9 @@ def test_fused_epoch_equals_the_phases(algo):
     import jax.numpy as jnp
     import pg
     module = {'dqn': dqn, 'pg': pg}[algo]
-    flags = TINY if algo == 'dqn' else PG_TINY
+    argv = TINY if algo == 'dqn' else PG_TINY  # not `flags`: that is the harness module
     config, grid = flags.config_and_grid(
-        module.Config, flags.build_parser(module.Config, algo, '').parse_args(flags))
+        module.Config, flags.build_parser(module.Config, algo, '').parse_args(argv))
     agent = module.make_agent(config)
     runs = common.expand_runs(config, grid, 0, 2)
     hp = common.hyperparameters(config, runs)
