@@ -88,10 +88,6 @@ class Config:
     checkpoint_every: int = common.option(1, 'epochs between checkpoints (and the last)', bounds='[1, inf)')
 
 
-# MinAtar (10x10xC grids, the conv torso by --torso auto): the MinAtar paper's
-# DQN (Young & Tian 2019: conv 16 -> dense 128, target sync 1000, replay 100k,
-# 5M frames) shrunk to a CPU budget of a few minutes: 60 epochs of 512 steps,
-# epsilon down to 0.05 within them, Adam 1e-3. On a GPU raise --epochs and
 class Replay(NamedTuple):
     """Ring of `n_replay_epochs` blocks, one per epoch; `count` valid rows each.
 
