@@ -1,8 +1,9 @@
 """What the algorithm files (dqn.py, pg.py, actor_critic.py) share: Trax's
 advantage estimators and its `remaining_evals` helper, gymnax envs by name,
-the MLP and conv networks, `multifactor` schedules, config fields (`option`),
-the `Agent` record and `run_sweep`, which runs seeds x a grid of
-hyperparameters for some epochs in one compiled program.
+the MLP and conv networks, the policies of pg.py and actor_critic.py
+(Categorical, Gaussian, gSDE; their rollouts and evaluation), `multifactor`
+schedules, config fields (`option`), the `Agent` record and `run_sweep`, which
+runs seeds x a grid of hyperparameters for some epochs in one compiled program.
 
 Copy this file together with an algorithm file and you have the whole
 algorithm; the command line (flags, resume, checkpoints, TensorBoard,

@@ -1034,7 +1034,7 @@ def test_config_help_lists_kebab_flags(capsys):
     assert '--max_slice_length' not in out
 
 
-@pytest.mark.parametrize('script', ['dqn', 'pg'])
+@pytest.mark.parametrize('script', ['dqn', 'pg', 'actor_critic'])
 def test_help_states_each_default_once(script):
     """Every flag's help ends with its default, said once (a help text that
     already explains the default, e.g. '(default: --epochs)', gets no second)."""
@@ -1185,7 +1185,7 @@ def test_help_shows_each_constraint(script, capsys):
         assert text in out, text
 
 
-@pytest.mark.parametrize('script', ['dqn', 'pg'])
+@pytest.mark.parametrize('script', ['dqn', 'pg', 'actor_critic'])
 def test_every_int_field_declares_its_bounds(script):
     """Counts and sizes all state their range (floats are at least finite)."""
     module = __import__(script)
