@@ -198,17 +198,18 @@ def test_pg_ppo_conv_and_gsde_grids_equal_the_separate_runs(flags, leaf, cache_d
     assert len({r['metrics/policy_loss'] for r in records if r['epoch'] == 2}) == 4
 
 
-@pytest.mark.parametrize('algo', ['dqn', 'pg'])
+@pytest.mark.parametrize('algo', ['dqn', 'pg', 'actor_critic'])
 def test_fused_epoch_equals_the_phases(algo):
     """Agent.epoch (collect -> train -> evaluate as one pure function), scanned
     over epochs in one jit program, gives the driver's phase-by-phase results."""
     import jax
     import jax.numpy as jnp
+    import actor_critic
     import pg
-    module = {'dqn': dqn, 'pg': pg}[algo]
-    flags = TINY if algo == 'dqn' else PG_TINY
+    module = {'dqn': dqn, 'pg': pg, 'actor_critic': actor_critic}[algo]
+    argv = {'dqn': TINY, 'pg': PG_TINY, 'actor_critic': PG_PPO_TINY}[algo]
     config, grid = flags.config_and_grid(
-        module.Config, flags.build_parser(module.Config, algo, '').parse_args(flags))
+        module.Config, flags.build_parser(module.Config, algo, '').parse_args(argv))
     agent = module.make_agent(config)
     runs = common.expand_runs(config, grid, 0, 2)
     hp = common.hyperparameters(config, runs)
