@@ -1,8 +1,9 @@
 """What the algorithm files (dqn.py, pg.py, actor_critic.py) share: Trax's
 advantage estimators and its `remaining_evals` helper, gymnax envs by name,
-the MLP and conv networks, `multifactor` schedules, config fields (`option`),
-the `Agent` record and `run_sweep`, which runs seeds x a grid of
-hyperparameters for some epochs in one compiled program.
+the MLP and conv networks, the policies of pg.py and actor_critic.py
+(Categorical, Gaussian, gSDE; their rollouts and evaluation), `multifactor`
+schedules, config fields (`option`), the `Agent` record and `run_sweep`, which
+runs seeds x a grid of hyperparameters for some epochs in one compiled program.
 
 Copy this file together with an algorithm file and you have the whole
 algorithm; the command line (flags, resume, checkpoints, TensorBoard,
@@ -11,6 +12,7 @@ imports. Importing this file compiles nothing.
 """
 
 import dataclasses
+import functools
 import importlib
 import itertools
 import math
@@ -412,6 +414,385 @@ def network_head(params, features):
     """init_network's last (linear) layer on network_features' output."""
     last = (params['mlp'] if isinstance(params, dict) and 'conv' in params else params)[-1]
     return features @ last['w'] + last['b']
+
+
+# ---------------------------------------------------------------------------
+# Policies over gymnax envs (pg.py, actor_critic.py): Categorical for
+# Discrete actions, Gaussian for Box ones (a learned state-independent log
+# std, or gSDE's state-dependent noise); their rollouts and evaluation.
+# ---------------------------------------------------------------------------
+
+LOG_2PI = math.log(2 * math.pi)
+SDE_VARIANCE_FLOOR = 1e-6  # added to gSDE's variance (stable-baselines3's epsilon)
+ROLLOUT_CHUNK = 50  # steps between checks that every episode of a rollout is over
+
+
+def categorical_log_prob(logits, action):
+    """log softmax(logits)[action], over the last axis; `action` is an integer."""
+    where = 'categorical_log_prob'
+    check_args(chex.assert_shape, where, (..., None), logits=logits)
+    check_args(chex.assert_shape, where, logits.shape[:-1], action=action)
+    check_args(chex.assert_type, where, int, action=action)
+    log_p = jax.nn.log_softmax(logits, axis=-1)
+    return jnp.take_along_axis(log_p, action[..., None].astype(jnp.int32), axis=-1)[..., 0]
+
+
+def categorical_entropy(logits):
+    check_args(chex.assert_shape, 'categorical_entropy', (..., None), logits=logits)
+    log_p = jax.nn.log_softmax(logits, axis=-1)
+    return -jnp.sum(jnp.exp(log_p) * log_p, axis=-1)
+
+
+def categorical_sample(noise, logits, temperature):
+    """Trax's Gumbel-max sample argmax(logits + T * gumbel), i.e. a sample of
+    softmax(logits / T); T == 0: argmax. `noise` is standard Gumbel, logits' shape."""
+    check_args(chex.assert_shape, 'categorical_sample', (..., None), logits=logits)
+    chex.assert_equal_shape([noise, logits], custom_message='categorical_sample: noise, logits')
+    if temperature == 0.0:
+        return jnp.argmax(logits, axis=-1)
+    return jnp.argmax(logits + temperature * noise, axis=-1)
+
+
+def gaussian_log_prob(mean, log_std, action):
+    """log N(action; mean, exp(log_std)^2), summed over the last (action) axis."""
+    check_args(chex.assert_shape, 'gaussian_log_prob', (..., None), mean=mean)
+    chex.assert_equal_shape([mean, log_std, action],
+                            custom_message='gaussian_log_prob: mean, log_std, action')
+    z = (action - mean) * jnp.exp(-log_std)
+    return jnp.sum(-0.5 * z ** 2 - log_std - 0.5 * LOG_2PI, axis=-1)
+
+
+def gaussian_entropy(log_std):
+    check_args(chex.assert_shape, 'gaussian_entropy', (..., None), log_std=log_std)
+    return jnp.sum(log_std + 0.5 * (LOG_2PI + 1.0), axis=-1)
+
+
+def gaussian_sample(noise, mean, log_std, temperature):
+    """mean + T * std * noise (`noise` standard normal, mean's shape); T == 0: the mean."""
+    check_args(chex.assert_shape, 'gaussian_sample', (..., None), mean=mean)
+    chex.assert_equal_shape([noise, mean, log_std],
+                            custom_message='gaussian_sample: noise, mean, log_std')
+    if temperature == 0.0:
+        return mean
+    return mean + temperature * jnp.exp(log_std) * noise
+
+
+def observation_bounds(space, obs_shape):
+    """(centre, half width) of each observation dimension for
+    --normalize-observations: (0, 1), i.e. unchanged, where the Box has no
+    finite bounds (gymnax writes 'unbounded' as float32's largest value)."""
+    low = np.broadcast_to(np.asarray(getattr(space, 'low', -np.inf), np.float64), obs_shape)
+    high = np.broadcast_to(np.asarray(getattr(space, 'high', np.inf), np.float64), obs_shape)
+    bounded = (np.abs(low) < 1e30) & (np.abs(high) < 1e30) & (high > low)
+    low, high = np.where(bounded, low, -1.0), np.where(bounded, high, 1.0)
+    centre = np.where(bounded, (low + high) / 2, 0.0).astype(np.float32)
+    half = np.where(bounded, (high - low) / 2, 1.0).astype(np.float32)
+    return jnp.asarray(centre), jnp.asarray(half)
+
+
+def masked_mean(x, weight):
+    return jnp.sum(x * weight) / jnp.maximum(jnp.sum(weight), 1e-8)
+
+
+class PolicySpec(typing.NamedTuple):
+    """A policy over an env, derived once from the config: static."""
+    env: typing.Any
+    env_params: typing.Any
+    max_steps: int  # the episode cap actually used
+    obs_shape: tuple
+    obs_dtype: typing.Any
+    obs_bounds: typing.Any  # (centre, half width) mapped onto [-1, 1]; None: raw
+    kind: str  # 'discrete' or 'box'
+    action_shape: tuple
+    n_outputs: int  # logits, or the Box's flattened size (Gaussian means)
+    action_bounds: typing.Any  # Box: (centre, half width, low, high); None otherwise
+    sde: bool  # gSDE (Box only)
+    sde_sample_freq: int
+    torso: str  # 'mlp' or 'conv'
+    conv_channels: tuple
+    hidden_sizes: tuple
+    latent_size: int  # features the last layer reads (gSDE's noise rows)
+
+
+def policy_spec(config):
+    """The PolicySpec of a config's env, torso and policy fields."""
+    env, env_params = make_env(config.env, config.max_steps)
+    space, obs_space = env.action_space(env_params), env.observation_space(env_params)
+    kind = space_kind(space)
+    obs_shape = tuple(obs_space.shape)
+    torso = resolve_torso(config.torso, obs_shape)
+    if torso == 'conv':
+        conv_output_shape(obs_shape, config.conv_channels)  # refuses too small
+    action_bounds = None
+    if kind == 'discrete':
+        n_outputs, action_shape = int(space.n), ()
+    else:
+        action_shape = tuple(space.shape)
+        n_outputs = int(np.prod(action_shape))
+        low = np.broadcast_to(np.asarray(space.low, np.float32), action_shape)
+        high = np.broadcast_to(np.asarray(space.high, np.float32), action_shape)
+        bounded = np.isfinite(low) & np.isfinite(high)
+        # The net works in units of half the Box's width around its centre.
+        action_bounds = (jnp.asarray(np.where(bounded, (low + high) / 2, 0.0).reshape(-1)),
+                         jnp.asarray(np.where(bounded, (high - low) / 2, 1.0).reshape(-1)),
+                         jnp.asarray(low), jnp.asarray(high))
+    latent_size = (config.hidden_sizes[-1] if config.hidden_sizes else
+                   int(np.prod(conv_output_shape(obs_shape, config.conv_channels)
+                               if torso == 'conv' else obs_shape)))
+    return PolicySpec(
+        env=env, env_params=env_params, max_steps=env_max_steps(env_params),
+        obs_shape=obs_shape, obs_dtype=jax.eval_shape(
+            lambda k: env.reset(k, env_params)[0], jax.random.PRNGKey(0)).dtype,
+        obs_bounds=(observation_bounds(obs_space, obs_shape)
+                    if config.normalize_observations else None),
+        kind=kind, action_shape=action_shape, n_outputs=n_outputs, action_bounds=action_bounds,
+        sde=config.state_dependent_exploration and kind == 'box',
+        sde_sample_freq=config.sde_sample_freq, torso=torso,
+        conv_channels=config.conv_channels, hidden_sizes=config.hidden_sizes,
+        latent_size=latent_size)
+
+
+def observe(spec, obs):
+    """Observations as the networks take them."""
+    x = obs.astype(jnp.float32)
+    if spec.obs_bounds is not None:
+        x = (x - spec.obs_bounds[0]) / spec.obs_bounds[1]
+    return x
+
+
+def policy_and_features(spec, params, obs):
+    """(distribution inputs: logits, or (mean, log_std) in env units; the
+    features the policy's last layer reads)."""
+    features = network_features(params['net'], observe(spec, obs), spec.obs_shape)
+    out = network_head(params['net'], features)
+    if spec.kind == 'discrete':
+        return out, features
+    centre, half = spec.action_bounds[:2]
+    mean = centre + half * out
+    if spec.sde:
+        # gSDE's noise is features @ W, W ~ N(0, exp(log_std)^2) entrywise:
+        # given the state that is N(0, features^2 @ exp(2 log_std)) per action
+        # dimension. As in gSDE, no gradient reaches the features through the
+        # noise's scale.
+        variance = jax.lax.stop_gradient(features) ** 2 @ jnp.exp(2.0 * params['log_std'])
+        log_std = 0.5 * jnp.log(variance + SDE_VARIANCE_FLOOR) + jnp.log(half)
+    else:
+        log_std = jnp.broadcast_to(params['log_std'] + jnp.log(half), mean.shape)
+    return (mean, log_std), features
+
+
+def policy(spec, params, obs):
+    return policy_and_features(spec, params, obs)[0]
+
+
+def log_prob_and_entropy(spec, params, obs, action):
+    inputs = policy(spec, params, obs)
+    if spec.kind == 'discrete':
+        return categorical_log_prob(inputs, action), categorical_entropy(inputs)
+    mean, log_std = inputs
+    flat = action.reshape(action.shape[:action.ndim - len(spec.action_shape)]
+                          + (spec.n_outputs,))
+    return gaussian_log_prob(mean, log_std, flat), gaussian_entropy(log_std)
+
+
+def rollout_noise(spec, key, length, shape):
+    """(gSDE's weight draws or None, per-step noise of `shape` = (steps...,
+    count)): standard Gumbel (discrete) or normal (Box) noise for each action,
+    or for gSDE each step's index into the draws, a fresh draw every
+    sde_sample_freq steps (0: one for the rollout)."""
+    if not spec.sde:
+        sample = jax.random.gumbel if spec.kind == 'discrete' else jax.random.normal
+        return None, sample(key, shape + (spec.n_outputs,))
+    every = spec.sde_sample_freq or length
+    n_draws = -(-length // every)
+    draws = jax.random.normal(key, (n_draws, shape[-1], spec.latent_size, spec.n_outputs))
+    steps = int(np.prod(shape[:-1]))
+    index = jnp.minimum(jnp.arange(steps) // every, n_draws - 1)
+    return draws, jnp.broadcast_to(index.reshape(shape[:-1] + (1,)), shape)
+
+
+def act(spec, noise, params, obs, temperature):
+    """(action to learn from, action for the env): a Box action is clipped to
+    its bounds for the env only; the log-prob is of the sampled action.
+    gSDE's `noise` is the standard-normal weights [..., features, actions]."""
+    inputs, features = policy_and_features(spec, params, obs)
+    if spec.kind == 'discrete':
+        action = categorical_sample(noise, inputs, temperature)
+        return action, action
+    _, half, low, high = spec.action_bounds
+    if spec.sde:
+        weights = jnp.exp(params['log_std']) * noise
+        action = inputs[0] + temperature * half * jnp.einsum(
+            '...f,...fa->...a', jax.lax.stop_gradient(features), weights)
+    else:
+        action = gaussian_sample(noise, *inputs, temperature)
+    action = action.reshape(action.shape[:-1] + spec.action_shape)
+    return action, jnp.clip(action, low, high)
+
+
+def env_reset(spec, key, count):
+    return jax.vmap(spec.env.reset, in_axes=(0, None))(jax.random.split(key, count),
+                                                       spec.env_params)
+
+
+def init_policy(spec, key, hp, n_envs, fresh_episodes):
+    """-> (policy params, obs, env_state, key): the policy network (its last
+    layer scaled by 0.01), a Box's log std (gSDE: one per noise weight), and
+    n_envs envs, reset unless each epoch starts fresh episodes (then
+    placeholders of the right shape)."""
+    net_key, env_key, key = jax.random.split(key, 3)
+    params = {'net': init_network(net_key, spec.obs_shape, spec.hidden_sizes, spec.n_outputs,
+                                  spec.torso, spec.conv_channels, last_scale=0.01)}
+    if spec.kind == 'box':
+        params['log_std'] = jnp.full((spec.latent_size, spec.n_outputs) if spec.sde
+                                     else (spec.n_outputs,), hp['init_log_std'])
+    if fresh_episodes:
+        obs, env_state = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), jax.eval_shape(
+            lambda k: env_reset(spec, k, n_envs), env_key))
+    else:
+        obs, env_state = env_reset(spec, env_key, n_envs)
+    return params, obs, env_state, key
+
+
+def rollout_step(spec, params, temperature, one_episode, final_obs, draws, carry, xs):
+    """One step of every env: (carry, the step's record)."""
+    obs, env_state, episode_return, active = carry
+    noise, env_keys = xs
+    if draws is not None:  # gSDE: this step's weights, per env
+        noise = draws[noise, jnp.arange(episode_return.shape[0])]
+    action, env_action = act(spec, noise, params, obs, temperature)
+    step = (functools.partial(step_first_episode, spec.env) if one_episode
+            else spec.env.step)
+    next_obs, env_state, reward, terminated, truncated, info = jax.vmap(
+        step, in_axes=(0, 0, 0, None))(env_keys, env_state, env_action, spec.env_params)
+    reward = reward.astype(jnp.float32)
+    done = terminated | truncated
+    episode_return = episode_return + jnp.where(active, reward, 0.0)
+    finished = done & active
+    record = dict(obs=obs, action=action, reward=reward, done=done, valid=active,
+                  finished=finished, finished_return=jnp.where(finished, episode_return, 0.0))
+    if final_obs:  # a value network bootstraps a truncation from V(final obs)
+        record.update(terminated=terminated, truncated=truncated,
+                      final_obs=info['final_observation'])
+    episode_return = jnp.where(done, 0.0, episode_return)
+    if one_episode:
+        active = active & ~done
+    return (next_obs, env_state, episode_return, active), record
+
+
+def rollout(spec, key, params, obs, env_state, episode_return, length, temperature,
+            one_episode, final_obs=False):
+    """`length` steps of `obs.shape[0]` envs -> (carry, time-major records of
+    each step). With `one_episode`, each env plays until its first done
+    (later steps invalid); `final_obs` also records terminated, truncated and
+    the observation each step led to."""
+    count = episode_return.shape[0]
+    # All randomness drawn up front in two calls: each random op compiles
+    # into its own code, and on CPU that compile time dominates short runs.
+    noise_key, env_key = jax.random.split(key)
+    carry = (obs, env_state, episode_return, jnp.ones(count, bool))
+    chunk = min(length, ROLLOUT_CHUNK)
+    n_chunks = -(-length // chunk)
+    draws, noise = rollout_noise(
+        spec, noise_key, length, (length, count) if not one_episode else (n_chunks, chunk, count))
+    step = functools.partial(rollout_step, spec, params, temperature, one_episode, final_obs,
+                             draws)
+    if not one_episode:  # episodes continue: every step is needed
+        env_keys = jax.random.split(env_key, length * count).reshape(length, count, -1)
+        return jax.lax.scan(step, carry, (noise, env_keys))
+    env_keys = jax.random.split(env_key, n_chunks * chunk * count).reshape(
+        n_chunks, chunk, count, -1)
+    return play_until_done(step, carry, noise, env_keys, length)
+
+
+def play_until_done(step, carry, noise, env_keys, length):
+    """One episode per env: play `step` in chunks [n_chunks, chunk, ...] of
+    noise and keys, and stop once every env is done (most of max_steps while
+    the policy is still poor). Records of chunks never played stay zero,
+    i.e. invalid steps."""
+    n_chunks, chunk = noise.shape[:2]
+    in_horizon = (jnp.arange(n_chunks * chunk) < length).reshape(n_chunks, chunk)
+
+    def play_chunk(carry, xs):
+        noise, env_keys, in_horizon = xs
+
+        def masked_step(carry, xs):
+            *rest, active = carry
+            noise, env_keys, ok = xs
+            return step((*rest, active & ok), (noise, env_keys))
+
+        return jax.lax.scan(masked_step, carry, (noise, env_keys, in_horizon))
+
+    shapes = jax.eval_shape(play_chunk, carry, (noise[0], env_keys[0], in_horizon[0]))[1]
+    records = jax.tree.map(lambda x: jnp.zeros((n_chunks,) + x.shape, x.dtype), shapes)
+
+    def body(loop):
+        i, carry, records = loop
+        carry, chunk_records = play_chunk(carry, (noise[i], env_keys[i], in_horizon[i]))
+        records = jax.tree.map(lambda r, c: r.at[i].set(c), records, chunk_records)
+        return i + 1, carry, records
+
+    def more(loop):
+        i, (_, _, _, active), _ = loop
+        return (i < n_chunks) & jnp.any(active)
+
+    _, carry, records = jax.lax.while_loop(more, body, (0, carry, records))
+    return carry, jax.tree.map(
+        lambda x: x.reshape((n_chunks * chunk,) + x.shape[2:])[:length], records)
+
+
+def collect_rollout(spec, state, n_envs, steps, fresh_episodes, final_obs=False):
+    """An epoch's temperature-1 rollout of `state.params`: fresh episodes, or
+    the envs' running ones -> (key, carry, records [n_envs, steps, ...])."""
+    key, reset_key, rollout_key = jax.random.split(state.key, 3)
+    if fresh_episodes:
+        obs, env_state = env_reset(spec, reset_key, n_envs)
+        episode_return = jnp.zeros(n_envs)
+    else:
+        obs, env_state, episode_return = state.obs, state.env_state, state.episode_return
+    carry, rec = rollout(spec, rollout_key, state.params, obs, env_state, episode_return, steps,
+                         1.0, fresh_episodes, final_obs)
+    return key, carry, jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1), rec)
+
+
+def finish_collect(state, key, carry, rec, fresh_episodes):
+    """The collect phase's counters, env carry and metrics -> (state, metrics).
+    With fresh episodes an episode cut by the cap counts as finished, truncated."""
+    obs, env_state, episode_return, _ = carry
+    n_finished = rec['finished'].sum()
+    new_interactions = rec['valid'].sum()
+    if fresh_episodes:
+        finished_return = jnp.sum(rec['reward'] * rec['valid'], axis=1)
+        n_finished = jnp.asarray(rec['valid'].shape[0], n_finished.dtype)
+        avg_return = finished_return.mean()
+    else:
+        avg_return = jnp.where(n_finished > 0, rec['finished_return'].sum()
+                               / jnp.maximum(n_finished, 1), jnp.nan)
+    metrics = {'rl/avg_return': avg_return,
+               'rl/n_interactions': state.n_interactions + new_interactions,
+               'rl/n_trajectories': state.n_trajectories + n_finished,
+               'rl/new_interactions': new_interactions}
+    return state._replace(env_state=env_state, obs=obs, episode_return=episode_return, key=key,
+                          n_interactions=state.n_interactions + new_interactions,
+                          n_trajectories=state.n_trajectories + n_finished), metrics
+
+
+def evaluate_policy(spec, state, eval_tags, n_episodes):
+    """Fresh episodes of `state.params` for each (temperature, horizon) of
+    `eval_tags`; never training data -> (state, metrics)."""
+    key, tags_key = jax.random.split(state.key)
+    metrics = {}
+    if n_episodes == 0:
+        return state._replace(key=key), metrics
+    for tag_key, (temperature, horizon) in zip(jax.random.split(tags_key, len(eval_tags)),
+                                               eval_tags):
+        reset_key, rollout_key = jax.random.split(tag_key)
+        obs, env_state = env_reset(spec, reset_key, n_episodes)
+        _, rec = rollout(spec, rollout_key, state.params, obs, env_state, jnp.zeros(n_episodes),
+                         horizon, temperature, True)
+        metrics[eval_key(temperature, horizon)] = jnp.sum(
+            rec['reward'] * rec['valid'], axis=0).mean()
+    return state._replace(key=key), metrics
 
 
 # ---------------------------------------------------------------------------

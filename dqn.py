@@ -498,7 +498,8 @@ def make_agent(config: Config) -> common.Agent:
     env, env_params = common.make_env(config.env, config.max_steps)
     if common.space_kind(env.action_space(env_params)) != 'discrete':
         raise common.UsageError(f'{config.env} has a continuous (Box) action space; DQN '
-                                'needs Discrete actions: use pg.py for this env')
+                                'needs Discrete actions: use pg.py (REINFORCE) or '
+                                'actor_critic.py (PPO) for this env')
     max_steps = common.env_max_steps(env_params)
     obs_shape = env.observation_space(env_params).shape
     torso = common.resolve_torso(config.torso, obs_shape)

@@ -1,4 +1,4 @@
-"""Speed figures for dqn.py and pg.py on CartPole-v1 (not collected by pytest).
+"""Speed figures for dqn.py, pg.py and actor_critic.py on CartPole-v1 (not collected by pytest).
 
     python tests/benchmark.py                 # full table, medians of 3 runs
     python tests/benchmark.py --repeats 1 --seeds 1,8 --algos dqn
@@ -106,10 +106,11 @@ def fmt(value, spec='.1f'):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
-    parser.add_argument('--algos', default='dqn,pg', help='comma list of dqn, pg')
+    parser.add_argument('--algos', default='dqn,pg',
+                        help='comma list of dqn, pg, actor_critic')
     parser.add_argument('--seeds', default='1,8,64', help='seed counts to measure')
     parser.add_argument('--repeats', type=int, default=3, help='runs per figure (median)')
-    parser.add_argument('--extra', default='', help='extra flags for both scripts')
+    parser.add_argument('--extra', default='', help='extra flags for every script')
     args = parser.parse_args()
     seed_counts = [int(s) for s in args.seeds.split(',')]
     import jax

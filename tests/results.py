@@ -8,7 +8,8 @@ against gymnax's published baselines (its README: gymnax-blines, PPO or ES).
 
 Each row is one process, `python ALGO.py --env ENV --num-seeds N` with no
 other flag, so the table measures what a user gets from the env's settings
-(ENV_SETTINGS in dqn.py / pg.py); a MinAtar row instead runs for a wall-time
+(ENV_SETTINGS in dqn.py / actor_critic.py; a pg row runs actor_critic.py's PPO
+where that file has the env's settings, else pg.py); a MinAtar row instead runs for a wall-time
 budget (--minatar-minutes, 30: `--epochs` past it and `--time-limit`). It writes --out (docs/results.md), its
 rows as JSON beside it (a rerun of some rows keeps the others), and one PNG
 of learning curves, one panel per env (greedy return: mean line, min-max
@@ -154,15 +155,24 @@ def action_kind(env_name):
     return common.space_kind(env.action_space(env_params))
 
 
+def script_of(algo, env_name):
+    """The file a row runs: a pg row runs actor_critic.py (PPO) where that file
+    has the env's settings, else pg.py (REINFORCE)."""
+    if algo == 'pg' and env_name in importlib.import_module('actor_critic').ENV_SETTINGS:
+        return 'actor_critic'
+    return algo
+
+
 def run_row(env_name, algo, seeds, time_limit=None, jobs=1):
     """One process with the env's settings (MinAtar: for `time_limit` seconds);
     -> the row's figures and curves."""
     first, count = seeds[0], len(seeds)
+    script = script_of(algo, env_name)
     extra = []
     if time_limit is not None:
         extra = ['--epochs', str(MINATAR_EPOCHS[algo]), '--time-limit', f'{time_limit:g}']
     with tempfile.TemporaryDirectory() as out:
-        command = [sys.executable, os.path.join(ROOT, f'{algo}.py'), '--env', env_name,
+        command = [sys.executable, os.path.join(ROOT, f'{script}.py'), '--env', env_name,
                    '--seed', str(first), '--num-seeds', str(count), '--quiet',
                    '--output-dir', out, '--compile-cache', 'none', *extra]
         start = time.time()
@@ -187,7 +197,7 @@ def run_row(env_name, algo, seeds, time_limit=None, jobs=1):
     if algo == 'pg':  # the loss, and gSDE where it explores
         mode = config['policy_loss'] + (', gSDE' if config.get('state_dependent_exploration')
                                         else '')
-    table = getattr(importlib.import_module(algo), 'ENV_SETTINGS', {})  # compiles nothing
+    table = getattr(importlib.import_module(script), 'ENV_SETTINGS', {})  # compiles nothing
     settings = flags.settings_flags(table.get(env_name, {})) or '(defaults)'
     if extra:
         settings += ', then ' + ' '.join(extra)

@@ -345,7 +345,7 @@ def test_config_help_lists_kebab_flags(capsys):
     assert '--max_slice_length' not in out
 
 
-@pytest.mark.parametrize('script', ['dqn', 'pg'])
+@pytest.mark.parametrize('script', ['dqn', 'pg', 'actor_critic'])
 def test_help_states_each_default_once(script):
     """Every flag's help ends with its default, said once (a help text that
     already explains the default, e.g. '(default: --epochs)', gets no second)."""
@@ -485,7 +485,7 @@ def test_check_fields_accepts_values_inside_and_unset_optionals():
                         {'rate': [0.0, 1.0]})
 
 
-@pytest.mark.parametrize('script', ['dqn', 'pg'])
+@pytest.mark.parametrize('script', ['dqn', 'pg', 'actor_critic'])
 def test_help_shows_each_constraint(script, capsys):
     module = __import__(script)
     with pytest.raises(SystemExit):
@@ -496,7 +496,7 @@ def test_help_shows_each_constraint(script, capsys):
         assert text in out, text
 
 
-@pytest.mark.parametrize('script', ['dqn', 'pg'])
+@pytest.mark.parametrize('script', ['dqn', 'pg', 'actor_critic'])
 def test_every_int_field_declares_its_bounds(script):
     """Counts and sizes all state their range (floats are at least finite)."""
     module = __import__(script)

@@ -1,6 +1,7 @@
-"""README.md's commands work: every `python dqn.py ...` / `python pg.py ...` line
-of its code blocks runs, in order, in one fresh working directory, and exits 0
-(or 2 where the line is marked `exits 2`).
+"""README.md's commands work: every `python dqn.py|pg.py|actor_critic.py ...`
+line of its code blocks runs, in order, in one fresh working directory, and
+exits 0 (or 2 where the line is marked `exits 2`); its "Use from Python"
+block runs (with 2 epochs) and prints one line per run.
 
 To keep this fast, a line that creates a run gets small sizes appended (the
 ones tests/test_reliability.py uses, fewer DQN gradient steps) and `--epochs 2`; a line that resumes a
@@ -19,12 +20,18 @@ import pytest
 
 from test_reliability import ROOT, SMALL, cache_dir  # noqa: F401  (cache_dir: the fixture)
 
-COMMAND = re.compile(r'(?:^|[\s/])python ((?:dqn|pg)\.py\b[^#\n]*?)(?:\s*(?:#.*|&&.*|\|.*|;.*))?$')
+COMMAND = re.compile(r'(?:^|[\s/])python ((?:dqn|pg|actor_critic)\.py\b[^#\n]*?)'
+                     r'(?:\s*(?:#.*|&&.*|\|.*|;.*))?$')
 EXIT_2 = '# exits 2'
 PROCESSES = re.compile(r'--(?:distributed|coordinator-address)\b')
 # test_reliability's small sizes, with DQN's epochs short (those are long there so a kill lands).
 SIZES = {algo: list(flags) for algo, flags in SMALL.items()}
 SIZES['dqn'][SIZES['dqn'].index('--train-steps-per-epoch') + 1] = '16'
+SIZES.setdefault('actor_critic', ['--n-envs', '4', '--n-interactions-per-epoch', '64',
+                                  '--batch-size', '16', '--value-batch-size', '16',
+                                  '--train-steps-per-epoch', '4',
+                                  '--value-train-steps-per-epoch', '4', '--n-eval-episodes', '2',
+                                  '--eval-steps', '40', '--hidden-sizes', '16'])
 
 
 def readme_commands():
@@ -63,7 +70,7 @@ def small(script, argv, cwd):
 def test_readme_has_the_commands_this_test_runs():
     commands = readme_commands()
     scripts = [script for script, _, _ in commands]
-    assert 'dqn.py' in scripts and 'pg.py' in scripts
+    assert {'dqn.py', 'pg.py', 'actor_critic.py'} <= set(scripts)
     assert any(status == 2 for _, _, status in commands)
     resumes = [argv for script, argv, _ in commands if argv[:2] == ['--output-dir', 'runs/breakout']]
     assert ['--output-dir', 'runs/breakout', '--epochs', '200'] in resumes
@@ -84,6 +91,27 @@ def test_readme_commands_run(cache_dir, tmp_path):  # noqa: F811
     assert (breakout / 'eval.jsonl').exists()
     assert sorted(os.listdir(breakout / 'tb')) == ['seed=0']
     assert '"epochs": 3' in open(breakout / 'summary.json').read()
+
+
+def python_block():
+    text = open(os.path.join(ROOT, 'README.md')).read()
+    blocks = re.findall(r'```python\n(.*?)```', text, re.S)
+    assert len(blocks) == 1, 'the README has one python block, under "Use from Python"'
+    return blocks[0]
+
+
+def test_readme_python_block_runs():
+    code = python_block()
+    assert 'common.run_sweep' in code and re.search(r'epochs=\d+', code)
+    code = re.sub(r'epochs=\d+', 'epochs=2', code)
+    result = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True,
+                            cwd=ROOT, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    lines = result.stdout.strip().splitlines()
+    assert len(lines) == 16, lines
+    seeds_lrs = [tuple(line.split()[:2]) for line in lines]
+    assert seeds_lrs == [(str(seed), lr) for lr in ('0.01', '0.003') for seed in range(8)]
+    assert all(float(line.split()[2]) > 0 for line in lines)
 
 
 if __name__ == '__main__':

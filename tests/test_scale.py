@@ -168,7 +168,7 @@ def test_pg_grid_equals_the_separate_runs(cache_dir, tmp_path):
     assert len(set(losses)) == 4
 
 
-# PPO in n_interactions mode, tiny: with the conv torso on MinAtar, and with
+# PPO (actor_critic.py) in n_interactions mode, tiny: with the conv torso on MinAtar, and with
 # gSDE (observations normalised) on MountainCarContinuous.
 PG_PPO_TINY = ['--policy-loss', 'ppo', '--advantage-estimator', 'gae',
                '--n-trajectories-per-epoch', 'none', '--n-envs', '4',
@@ -184,28 +184,30 @@ PG_PPO_TINY = ['--policy-loss', 'ppo', '--advantage-estimator', 'gae',
       '--sde-sample-freq', '8', '--normalize-observations'], "['log_std']"),
 ])
 def test_pg_ppo_conv_and_gsde_grids_equal_the_separate_runs(flags, leaf, cache_dir, tmp_path):
-    """PPO with the conv torso, and with gSDE: a 2-point lr grid x 2 seeds = the
-    4 runs alone, bitwise."""
-    import pg
+    """PPO (actor_critic.py) with the conv torso, and with gSDE: a 2-point lr
+    grid x 2 seeds = the 4 runs alone, bitwise."""
+    import actor_critic
     grid_out = str(tmp_path / 'grid')
-    pg.main([*PG_PPO_TINY, *flags, '--compile-cache', cache_dir, '--output-dir', grid_out,
-             '--lr', '1e-2,3e-3', '--num-seeds', '2'])
+    actor_critic.main([*PG_PPO_TINY, *flags, '--compile-cache', cache_dir, '--output-dir',
+                       grid_out, '--lr', '1e-2,3e-3', '--num-seeds', '2'])
     header, _ = rundir._read_checkpoint(os.path.join(grid_out, 'checkpoint.npz'))
     assert any(leaf in path for path in header['paths'])
     records = assert_grid_equals_separate_runs(
-        pg.main, [*PG_PPO_TINY, *flags, '--compile-cache', cache_dir], grid_out, tmp_path)
+        actor_critic.main, [*PG_PPO_TINY, *flags, '--compile-cache', cache_dir], grid_out,
+        tmp_path)
     assert len({r['metrics/policy_loss'] for r in records if r['epoch'] == 2}) == 4
 
 
-@pytest.mark.parametrize('algo', ['dqn', 'pg'])
+@pytest.mark.parametrize('algo', ['dqn', 'pg', 'actor_critic'])
 def test_fused_epoch_equals_the_phases(algo):
     """Agent.epoch (collect -> train -> evaluate as one pure function), scanned
     over epochs in one jit program, gives the driver's phase-by-phase results."""
     import jax
     import jax.numpy as jnp
+    import actor_critic
     import pg
-    module = {'dqn': dqn, 'pg': pg}[algo]
-    argv = TINY if algo == 'dqn' else PG_TINY  # not `flags`: that is the harness module
+    module = {'dqn': dqn, 'pg': pg, 'actor_critic': actor_critic}[algo]
+    argv = {'dqn': TINY, 'pg': PG_TINY, 'actor_critic': PG_PPO_TINY}[algo]
     config, grid = flags.config_and_grid(
         module.Config, flags.build_parser(module.Config, algo, '').parse_args(argv))
     agent = module.make_agent(config)

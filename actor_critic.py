@@ -1,0 +1,673 @@
+"""A2C and PPO after Trax's actor_critic.py (`AdvantageBasedActorCriticAgent`), in pure JAX.
+
+One epoch = collect (temperature 1, gymnax envs, rows of steps per env) ->
+train -> evaluation at each (temperature, horizon). Training follows Trax's
+order: first a value network V(s), separate from the policy, with its own
+Adam (`--value-lr`), trained towards V_target(s) + A on minibatches, A being
+the chosen estimator's advantage (common.py's `monte_carlo`, `td_k`,
+`td_lambda`, `gae`) over a target copy synced before the first and after each
+of `--value-evals-per-epoch` chunks; then the policy, on advantages from the
+trained value network normalised per minibatch, with the A2C loss
+`-mean(log pi * A)` or PPO's clipped ratio, minus `--entropy-coeff` times the
+entropy, over passes of minibatches of the epoch's steps. Every step trains in
+the epoch it was collected: an episode still running at the end of its row
+bootstraps from V of its current observation, a time-limit truncation from V
+of the true final observation, a termination from nothing.
+
+The defaults are PPO's (GAE, 2048 steps per epoch from 16 envs, minibatch
+passes, Adam 0.9/0.999, gradients clipped at norm 0.5): `python
+actor_critic.py` solves CartPole-v1 on every seed. Trax's values are in each
+flag's help; history and tuning notes are in docs/actor_critic.md.
+
+    python actor_critic.py --num-seeds 8              # CartPole-v1, greedy 500
+    python actor_critic.py --env Pendulum-v1 --num-seeds 8    # the env's settings
+    python actor_critic.py --policy-loss a2c --advantage-estimator td_lambda
+"""
+
+import dataclasses
+import functools
+import sys
+from typing import NamedTuple, Optional
+
+import chex
+import jax
+import jax.numpy as jnp
+import optax
+
+import common
+
+
+POLICY_LOSSES = ('a2c', 'ppo')
+ESTIMATORS = ('monte_carlo', 'td_k', 'td_lambda', 'gae')
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    env: str = common.option('CartPole-v1', 'gymnax env (Discrete or Box action space)')
+    epochs: int = common.option(40, 'total epochs of collect -> train -> evaluate', bounds='[1, inf)')
+    n_envs: int = common.option(16, 'parallel envs per run (n_interactions mode)', bounds='[1, inf)')
+    n_interactions_per_epoch: Optional[int] = common.option(
+        2048, 'env steps per epoch and run; episodes carry over epochs', bounds='[1, inf)')
+    n_trajectories_per_epoch: Optional[int] = common.option(
+        None, 'instead: complete fresh episodes per epoch and run', bounds='[1, inf)')
+    max_steps: Optional[int] = common.option(None, 'episode cap (default: the env\'s limit)', bounds='[1, inf)')
+    train_steps_per_epoch: int = common.option(
+        64, 'policy gradient steps per epoch on this epoch\'s data (Trax: 1)', bounds='[1, inf)')
+    evals_per_epoch: int = common.option(1, 'trainer metric chunks per epoch (reporting only)', bounds='[1, inf)')
+    batch_size: int = common.option(
+        128, 'policy minibatch: passes of minibatches over the epoch\'s steps, each pass in '
+        'a fresh random order; 0: every step each step', bounds='[0, inf)')
+    lr: float = common.option(2e-3, 'policy Adam learning rate: the schedule\'s constant', sweep=True, bounds='(0, inf)')
+    lr_schedule: str = common.option(
+        'constant * linear_decay',
+        'multifactor factors: constant, linear_warmup, rsqrt_decay, decay_every, '
+        'linear_decay (to 0 at the last step); Trax: constant * linear_warmup * rsqrt_decay')
+    warmup_steps: int = common.option(400, 'linear_warmup / rsqrt_decay steps', bounds='[1, inf)')
+    lr_decay_epochs: Optional[int] = common.option(
+        None, 'linear_decay reaches 0 after this many epochs (default: --epochs); keep '
+        'it when resuming with a larger --epochs so the schedule does not change', bounds='[1, inf)')
+    adam_b1: float = common.option(0.9, 'policy Adam first-moment decay (Trax: 0.9)', sweep=True, bounds='[0, 1)')
+    adam_b2: float = common.option(0.999, 'policy Adam second-moment decay (Trax: 0.999)', sweep=True, bounds='[0, 1)')
+    gamma: float = common.option(0.99, 'discount factor in (0, 1] (Trax: 0.99)', sweep=True, bounds='(0, 1]')
+    normalize_advantages: bool = common.option(
+        True, 'factor * (A - mean) / (std + epsilon) per minibatch (Trax: on)',
+        aliases=('--advantage-normalization',))
+    entropy_coeff: float = common.option(
+        0.01, 'loss -= this * mean policy entropy (Trax: 0.01)', sweep=True, bounds='[0, inf)')
+    policy_loss: str = common.option(
+        'ppo', 'a2c or ppo (Trax A2C, PPO); REINFORCE is pg.py', choices=POLICY_LOSSES)
+    advantage_estimator: str = common.option(
+        'gae', 'monte_carlo, td_k, td_lambda or gae over the value network (Trax: td_lambda)',
+        choices=ESTIMATORS)
+    lambda_: float = common.option(0.95, 'td_lambda / gae lambda (Trax: 0.95)', sweep=True,
+                                    bounds='[0, 1]')
+    added_policy_slice_length: int = common.option(
+        32, 'the estimators\' margin: how many steps past a step its advantage looks '
+        '(td_k: k); Trax: 0, with which td_lambda and gae give 0', bounds='[0, inf)')
+    epsilon: float = common.option(0.2, 'ppo: clip the ratio to [1 - this, 1 + this] '
+                                   '(Trax: 0.2)', sweep=True, bounds='(0, inf)')
+    advantage_normalization_factor: float = common.option(
+        1.0, 'normalised advantages are multiplied by this (Trax: 1)', sweep=True)
+    advantage_normalization_epsilon: float = common.option(
+        1e-5, '(A - mean) / (std + this) (Trax: 1e-5)', sweep=True, bounds='(0, inf)')
+    max_grad_norm: float = common.option(
+        0.5, 'clip policy and value gradients to this global norm; 0: off (Trax: off)',
+        sweep=True, bounds='[0, inf)')
+    value_lr: float = common.option(
+        2e-3, 'value network Adam learning rate (the same --lr-schedule factors)', sweep=True,
+        bounds='(0, inf)')
+    value_batch_size: int = common.option(
+        128, 'value minibatch (0: every step of the epoch; Trax: 64)', bounds='[0, inf)')
+    value_train_steps_per_epoch: int = common.option(
+        64, 'value gradient steps per epoch (Trax: 500)', bounds='[1, inf)')
+    value_evals_per_epoch: int = common.option(
+        1, 'value chunks per epoch; the target value network is synced before the first '
+        'and after each (Trax: 1)', bounds='[1, inf)')
+    scale_value_targets: bool = common.option(
+        False, 'the value network predicts V * (1 - gamma) (Trax: off)')
+    torso: str = common.option(
+        'auto', 'policy and value torso: mlp, conv (3x3 convs, ReLU, flatten) or auto '
+        '(conv for [height, width, channels] observations, mlp otherwise)',
+        choices=common.TORSOS)
+    conv_channels: tuple[int, ...] = common.option(
+        (16,), 'conv torso: channels of each 3x3 stride-1 conv (MinAtar paper: 16)',
+        bounds='[1, inf)')
+    hidden_sizes: tuple[int, ...] = common.option(
+        (64, 64), 'policy and value MLP hidden layer sizes', bounds='[1, inf)')
+    normalize_observations: bool = common.option(
+        False, 'map each observation dimension whose Box bounds are finite onto [-1, 1] '
+        'before the networks (MountainCar\'s velocity spans only +-0.07)')
+    init_log_std: float = common.option(
+        0.0, 'Box actions: initial log std, in units of half the Box\'s width (gSDE: of '
+        'each noise weight)', sweep=True)
+    state_dependent_exploration: bool = common.option(
+        False, 'Box actions: gSDE (Raffin et al. 2022): the noise is the policy\'s last '
+        'hidden features times a random weight matrix held for --sde-sample-freq steps')
+    sde_sample_freq: int = common.option(
+        0, 'gSDE: steps between draws of the noise weights (0: one draw per epoch\'s '
+        'rollout, as stable-baselines3\'s -1)', bounds='[0, inf)')
+    n_eval_episodes: int = common.option(16, 'episodes per evaluation (0: no evaluation)', bounds='[0, inf)')
+    eval_steps: Optional[tuple[int, ...]] = common.option(
+        None, 'evaluation horizons, e.g. 200,500 (default: max_steps)', bounds='[1, inf)')
+    eval_temperatures: tuple[float, ...] = common.option(
+        (0.0,), 'evaluation temperatures: 0 argmax / Gaussian mean, T samples logits / T '
+        'or std * T', bounds='[0, inf)')
+    checkpoint_every: int = common.option(1, 'epochs between checkpoints (and the last)', bounds='[1, inf)')
+
+
+class Rollout(NamedTuple):
+    """The epoch's steps as rows [n_envs, steps] (time in order), each trained
+    in the epoch it was collected: an episode still running at the end of the
+    rows bootstraps from V(last_obs)."""
+    obs: jax.Array
+    action: jax.Array  # as sampled (a Box action unclipped), for its log-prob
+    reward: jax.Array
+    terminated: jax.Array
+    truncated: jax.Array  # time limit (and not terminated): bootstrap from V(final_obs)
+    final_obs: jax.Array  # the observation the step led to, before any auto-reset
+    valid: jax.Array  # False: padding after an episode's end (n_trajectories mode)
+    last_obs: jax.Array  # [n_envs, ...]: each env's observation after its last step
+
+
+class State(NamedTuple):
+    params: dict  # the policy's
+    opt_state: tuple
+    env_state: object
+    obs: jax.Array
+    episode_return: jax.Array  # running undiscounted return of each env
+    key: jax.Array
+    epoch: jax.Array  # completed epochs
+    train_step: jax.Array  # policy gradient steps
+    n_interactions: jax.Array
+    n_trajectories: jax.Array
+    value_params: list
+    value_opt_state: tuple
+    target_value_params: list  # the copy the value targets are computed with
+    value_train_step: jax.Array
+    rollout: Rollout  # the epoch's rows
+
+
+# ---------------------------------------------------------------------------
+# Pure pieces: advantages from common.py's estimators over a value network,
+# value targets, the A2C and PPO losses, minibatches.
+# ---------------------------------------------------------------------------
+
+masked_mean = common.masked_mean
+
+
+def make_estimator(name, gamma, margin, lambda_):
+    """common.py's estimator, built by its Trax factory signature."""
+    if name == 'monte_carlo':
+        return common.monte_carlo(gamma, margin)
+    if name == 'td_k':
+        return common.td_k(gamma, margin)
+    if name == 'td_lambda':
+        return common.td_lambda(gamma, margin, lambda_)
+    if name == 'gae':
+        return common.gae(gamma, margin, lambda_)
+    raise ValueError(f'no value-network estimator {name!r}')
+
+
+def bootstrapped_rewards(reward, terminated, truncated, final_values, gamma):
+    """r_t + gamma * V(final_obs_t) where step t hit the time limit without
+    terminating, r_t elsewhere.
+
+    With the truncation's bootstrap folded into its reward, every episode end
+    can be a `done` to the estimators (which then never look past it): a
+    termination's value is 0 after it, a truncated episode would have gone on.
+    Trax treats both as terminal (its `done`), so a CartPole-v1 episode cut at
+    500 steps looks like a failure to its value network; here it does not.
+    """
+    chex.assert_equal_shape([reward, terminated, truncated, final_values])
+    bootstrap = truncated & ~terminated
+    return reward + jnp.where(bootstrap, gamma * final_values, 0.0)
+
+
+def step_advantages(estimator, margin, monte_carlo, gamma, reward, done, valid, values,
+                    last_value):
+    """One env's row of T steps -> each step's advantage [T], from `estimator`
+    (built with this `margin`) run on Trax's slices.
+
+    Step t's slice is steps t..t+margin (Trax: `max_slice_length` 1 plus
+    `added_policy_slice_length` = margin; the estimator returns its first
+    step). A row holds several episodes, and the estimators assume one per
+    slice (td_k's k-step sum does not stop at a `done`), so each slice is cut:
+    past its episode's end (a `done`, the truncation bootstrap being already in
+    `reward`) rewards and values are 0; past the row's last collected step the
+    value is V(last_obs) = `last_value` with no discount (discount mask 0,
+    i.e. gamma = lambda = 1 there), so the slice bootstraps from it as a
+    shorter one would. Monte Carlo's return is the row's discounted return to
+    the episode's end, or to the row's end plus V(last_obs).
+
+    reward, values: [T] floats; done, valid: [T] bools; last_value: scalar.
+    """
+    chex.assert_rank([reward, done, valid, values, last_value], [1, 1, 1, 1, 0])
+    chex.assert_equal_shape([reward, done, valid, values])
+    length = reward.shape[0]
+    done = done & valid
+    reward = jnp.where(valid, reward, 0.0)
+
+    def pad(x, fill):  # margin + 1 positions past the row, for the last slices
+        return jnp.concatenate([x, jnp.broadcast_to(jnp.asarray(fill, x.dtype), (margin + 1,))])
+
+    returns = common.discounted_returns(  # to the episode's end, else V(last_obs)
+        jnp.concatenate([reward, last_value[None]])[None],
+        jnp.concatenate([gamma * (1.0 - done.astype(jnp.float32)), jnp.zeros(1)])[None])[0, :length]
+    index = jnp.arange(length)[:, None] + jnp.arange(margin + 1)[None, :]  # [T, margin + 1]
+    done_w = pad(done, False)[index]
+    # `open_`: no episode end before this position of the slice.
+    open_ = jnp.cumsum(done_w, axis=1) - done_w == 0
+    live = pad(valid, False)[index] & open_  # a collected step of the slice's episode
+    rewards = jnp.where(live, pad(reward, 0.0)[index], 0.0)
+    slice_values = jnp.where(open_, pad(values, last_value)[index], 0.0)
+    slice_returns = jnp.where(live, pad(returns, 0.0)[index], 0.0)
+    # Trax's monte_carlo takes `dones` to mark the step after an episode's end;
+    # the others, the episode's last step.
+    dones = ~live if monte_carlo else done_w & live
+    advantages = estimator(rewards, slice_returns, slice_values, dones, live)
+    chex.assert_shape(advantages, (length, 1))
+    return advantages[:, 0]
+
+
+def normalized_advantages(adv, weight, factor, epsilon):
+    """Trax's `_preprocess_advantages`: factor * (A - mean A) / (std A + epsilon),
+    statistics over the weighted steps of the (mini)batch."""
+    chex.assert_equal_shape([adv, weight])
+    mean = masked_mean(adv, weight)
+    std = jnp.sqrt(masked_mean((adv - mean) ** 2, weight))
+    return factor * (adv - mean) / (std + epsilon)
+
+
+def a2c_loss(log_probs, adv, weight):
+    """Trax A2C: -sum(w log pi(a|s) A) / sum(w); A is a constant (the entropy
+    bonus is subtracted by the caller)."""
+    chex.assert_rank(log_probs, 1)
+    chex.assert_equal_shape([log_probs, adv, weight])
+    return -masked_mean(log_probs * jax.lax.stop_gradient(adv), weight)
+
+
+def ppo_loss(log_probs, old_log_probs, adv, weight, epsilon):
+    """Trax PPO: ratio = pi / pi_old; -mean_w min(ratio A, clip(ratio, 1 - eps,
+    1 + eps) A). Where the clipped term is the smaller one its gradient is 0:
+    the update stops pushing a ratio already past the clip in A's direction."""
+    chex.assert_rank(log_probs, 1)
+    chex.assert_equal_shape([log_probs, old_log_probs, adv, weight])
+    adv = jax.lax.stop_gradient(adv)
+    ratio = jnp.exp(log_probs - jax.lax.stop_gradient(old_log_probs))
+    objective = jnp.minimum(ratio * adv, jnp.clip(ratio, 1.0 - epsilon, 1.0 + epsilon) * adv)
+    return -masked_mean(objective, weight)
+
+
+def value_loss(predictions, targets, weight):
+    """Trax's L2Loss: sum(w (V(s) - target)^2) / sum(w); targets are constants."""
+    chex.assert_rank(predictions, 1)
+    chex.assert_equal_shape([predictions, targets, weight])
+    return masked_mean((predictions - jax.lax.stop_gradient(targets)) ** 2, weight)
+
+
+def pass_order(key, weight, index):
+    """Pass `index`'s random order of the steps, the weighted ones first: the
+    argsort of uniforms drawn from fold_in(key, index)."""
+    noise = jax.random.uniform(jax.random.fold_in(key, index), weight.shape)
+    return jnp.argsort(jnp.where(weight > 0, noise, 2.0))
+
+
+def pass_orders(key, weight, n_passes):
+    """[n_passes, N]: pass_order of passes 0..n_passes-1, drawn together once."""
+    return jax.vmap(lambda index: pass_order(key, weight, index))(jnp.arange(n_passes))
+
+
+def minibatch_indices(key, weight, batch_size, step, orders=None):
+    """Step `step`'s minibatch of `batch_size` indices: passes over the weighted
+    steps, each pass a fresh random order (PPO's epochs of minibatches), so
+    every step is used once per pass. A pass whose last minibatch runs past
+    the steps wraps to its first ones.
+
+    `orders` (pass_orders, when the number of passes is known before
+    training: every step weighted) holds each pass's order; without it each
+    minibatch step recomputes its pass's order (a sort of all the steps, so
+    costly) rather than storing as many orders as there are steps. Both give
+    the same indices.
+    """
+    chex.assert_rank(weight, 1)
+    n_valid = jnp.maximum(jnp.sum(weight > 0), 1)
+    per_pass = (n_valid + batch_size - 1) // batch_size
+    order = (pass_order(key, weight, step // per_pass) if orders is None
+             else orders[step // per_pass])
+    return order[((step % per_pass) * batch_size + jnp.arange(batch_size)) % n_valid]
+
+
+def passes_needed(n_steps, batch_size, n_rows):
+    """How many passes n_steps minibatch steps make over n_rows steps, all weighted."""
+    per_pass = -(-n_rows // batch_size)
+    return -(-n_steps // per_pass)
+
+
+def clip_by_global_norm(grads, max_norm):
+    """grads scaled to global norm <= max_norm; max_norm 0: unchanged (traced)."""
+    norm = optax.tree.norm(grads)
+    scale = jnp.where(max_norm > 0, jnp.minimum(1.0, max_norm / jnp.maximum(norm, 1e-12)), 1.0)
+    return jax.tree.map(lambda g: g * scale, grads)
+
+
+def flat(x):
+    """[n_envs, steps, ...] rows -> [n_envs * steps, ...] steps."""
+    return x.reshape((-1,) + x.shape[2:])
+
+
+# ---------------------------------------------------------------------------
+# The phases: functions of the static Spec, made per-run by make_agent.
+# ---------------------------------------------------------------------------
+
+
+class Spec(NamedTuple):
+    """What make_agent derives from the config: static, shared by every run."""
+    config: Config
+    policy: common.PolicySpec  # env, observation and action shapes, networks
+    eval_tags: tuple  # ((temperature, horizon), ...) evaluated each epoch
+    fresh_episodes: bool  # n_trajectories mode: each epoch plays fresh episodes
+    n_envs: int  # envs per run (trajectories per epoch in that mode)
+    steps: int  # env steps per env and epoch: the rows' length
+    estimator: str
+    margin: int  # the estimators' look-ahead (--added-policy-slice-length)
+    chunk_steps: int  # policy steps per metric chunk
+    value_chunk_steps: int  # value steps per chunk (between target syncs)
+    total_train_steps: int  # the policy schedule's length
+    total_value_steps: int  # the value schedule's length
+
+
+def optimizer(spec, hp):
+    schedule = common.multifactor(spec.config.lr_schedule, constant=hp['lr'],
+                                  warmup_steps=spec.config.warmup_steps,
+                                  total_steps=spec.total_train_steps)
+    return optax.chain(optax.scale_by_adam(b1=hp['adam_b1'], b2=hp['adam_b2']),
+                       optax.scale_by_schedule(lambda s: -schedule(s)))
+
+
+def value_optimizer(spec, hp):
+    """Trax gives the value trainer its own optimiser and schedule; Adam with
+    its usual moments."""
+    schedule = common.multifactor(spec.config.lr_schedule, constant=hp['value_lr'],
+                                  warmup_steps=spec.config.warmup_steps,
+                                  total_steps=spec.total_value_steps)
+    return optax.chain(optax.scale_by_adam(), optax.scale_by_schedule(lambda s: -schedule(s)))
+
+
+def value_scale(spec, hp):
+    return 1.0 / (1.0 - hp['gamma']) if spec.config.scale_value_targets else 1.0
+
+
+def value_net(spec, value_params, obs):
+    """The network's output, V / scale, for [..., *obs_shape] observations."""
+    return common.network(value_params, common.observe(spec.policy, obs),
+                          spec.policy.obs_shape)[..., 0]
+
+
+def init(spec, key, hp):
+    policy = spec.policy
+    params, obs, env_state, key = common.init_policy(policy, key, hp, spec.n_envs,
+                                                     spec.fresh_episodes)
+    zero = jnp.zeros((), jnp.int32)
+    # A separate value network (Trax's n_shared_layers 0), its last layer
+    # small as the policy's, so early targets are about the rewards' scale.
+    value_key, key = jax.random.split(key)
+    value_params = common.init_network(value_key, policy.obs_shape, policy.hidden_sizes, 1,
+                                       policy.torso, policy.conv_channels, last_scale=0.01)
+    rows = lambda shape, dtype: jnp.zeros((spec.n_envs, spec.steps) + shape, dtype)
+    obs_dtype = policy.obs_dtype
+    action_dtype = jnp.int32 if policy.kind == 'discrete' else jnp.float32
+    rollout = Rollout(obs=rows(policy.obs_shape, obs_dtype),
+                      action=rows(policy.action_shape, action_dtype),
+                      reward=rows((), jnp.float32), terminated=rows((), bool),
+                      truncated=rows((), bool), final_obs=rows(policy.obs_shape, obs_dtype),
+                      valid=rows((), bool),
+                      last_obs=jnp.zeros((spec.n_envs,) + policy.obs_shape, obs_dtype))
+    return State(params=params, opt_state=optimizer(spec, hp).init(params),
+                 env_state=env_state, obs=obs, episode_return=jnp.zeros(spec.n_envs), key=key,
+                 epoch=zero, train_step=zero, n_interactions=zero, n_trajectories=zero,
+                 value_params=value_params,
+                 value_opt_state=value_optimizer(spec, hp).init(value_params),
+                 target_value_params=value_params, value_train_step=zero, rollout=rollout)
+
+
+def collect(spec, hp, state):
+    """One epoch of temperature-1 experience into `state.rollout`."""
+    key, carry, rec = common.collect_rollout(spec.policy, state, spec.n_envs, spec.steps,
+                                             spec.fresh_episodes, final_obs=True)
+    # An episode cut by the row's end in n_trajectories mode (only if the
+    # env's own limit is longer) is truncated there.
+    truncated = rec['truncated']
+    if spec.fresh_episodes:
+        truncated = truncated.at[:, -1].set(rec['valid'][:, -1] & ~rec['done'][:, -1])
+    rollout = Rollout(obs=rec['obs'], action=rec['action'], reward=rec['reward'],
+                      terminated=rec['terminated'] & rec['valid'],
+                      truncated=truncated & rec['valid'], final_obs=rec['final_obs'],
+                      valid=rec['valid'], last_obs=carry[0])
+    state, metrics = common.finish_collect(state, key, carry, rec, spec.fresh_episodes)
+    return state._replace(rollout=rollout), metrics
+
+
+def advantages_of(spec, hp, value_params, rollout):
+    """(advantages, values), each [n_envs, steps]: the estimator over the
+    value network `value_params`, one env's row at a time."""
+    scale = value_scale(spec, hp)
+    values = scale * value_net(spec, value_params, rollout.obs)
+    final_values = scale * value_net(spec, value_params, rollout.final_obs)
+    last_values = scale * value_net(spec, value_params, rollout.last_obs)
+    reward = bootstrapped_rewards(rollout.reward, rollout.terminated, rollout.truncated,
+                                  final_values, hp['gamma'])
+    done = rollout.terminated | rollout.truncated
+    row_advantages = functools.partial(
+        step_advantages, make_estimator(spec.estimator, hp['gamma'], spec.margin, hp['lambda_']),
+        spec.margin, spec.estimator == 'monte_carlo', hp['gamma'])
+    adv = jax.vmap(row_advantages)(reward, done, rollout.valid, values, last_values)
+    return adv, values
+
+
+def minibatches(spec, key, weight, n_steps, batch_size):
+    """-> step index -> that step's minibatch of indices (None: every step).
+    Every pass's order is drawn up front where every step is weighted (the
+    n_interactions mode), so the minibatch steps sort nothing."""
+    if not batch_size:
+        return lambda i: None
+    orders = (None if spec.fresh_episodes
+              else pass_orders(key, weight, passes_needed(n_steps, batch_size, weight.shape[0])))
+    return lambda i: minibatch_indices(key, weight, batch_size, i, orders)
+
+
+def value_step(spec, hp, data, minibatch, carry, i):
+    """One L2 step of the value network on step i's minibatch of `data`."""
+    value_params, opt_state, n = carry
+    index = minibatch(i)
+    obs, targets, weight = data if index is None else jax.tree.map(lambda x: x[index], data)
+    loss, grads = jax.value_and_grad(
+        lambda p: value_loss(value_net(spec, p, obs), targets, weight))(value_params)
+    grads = clip_by_global_norm(grads, hp['max_grad_norm'])
+    updates, opt_state = value_optimizer(spec, hp).update(grads, opt_state, value_params)
+    return (optax.apply_updates(value_params, updates), opt_state, n + 1), loss
+
+
+def value_chunk(spec, hp, state, key):
+    """One value trainer chunk: targets V_target(s) + A from the target
+    network (fixed through the chunk), value_chunk_steps steps of L2 on
+    target / scale, then the target network is synced to the trained one."""
+    adv, values = advantages_of(spec, hp, state.target_value_params, state.rollout)
+    weight = flat(state.rollout.valid).astype(jnp.float32)
+    obs, targets = flat(state.rollout.obs), flat(values + adv) / value_scale(spec, hp)
+    minibatch = minibatches(spec, key, weight, spec.value_chunk_steps,
+                            spec.config.value_batch_size)
+    step = functools.partial(value_step, spec, hp, (obs, targets, weight), minibatch)
+    (value_params, opt_state, n), losses = jax.lax.scan(
+        step, (state.value_params, state.value_opt_state, state.value_train_step),
+        jnp.arange(spec.value_chunk_steps))
+    metrics = {'metrics/value_loss': losses.mean(),
+               'metrics/value_mean': masked_mean(flat(values), weight),
+               'metrics/returns_mean': masked_mean(targets * value_scale(spec, hp), weight)}
+    return state._replace(value_params=value_params, value_opt_state=opt_state,
+                          value_train_step=n, target_value_params=value_params), metrics
+
+
+def policy_objective(spec, params, batch, hp):
+    """(the A2C or PPO loss minus the entropy bonus, metrics) on a minibatch."""
+    obs, action, adv, old_log_probs, weight = batch
+    log_probs, entropy = common.log_prob_and_entropy(spec.policy, params, obs, action)
+    if spec.config.normalize_advantages:  # per minibatch, as Trax's policy loss layer
+        adv = normalized_advantages(adv, weight, hp['advantage_normalization_factor'],
+                                    hp['advantage_normalization_epsilon'])
+    metrics = {}
+    if spec.config.policy_loss == 'ppo':
+        policy_loss = ppo_loss(log_probs, old_log_probs, adv, weight, hp['epsilon'])
+        ratio = jnp.exp(log_probs - old_log_probs)
+        metrics['metrics/clip_fraction'] = masked_mean(
+            (jnp.abs(ratio - 1.0) > hp['epsilon']).astype(jnp.float32), weight)
+        metrics['metrics/approx_kl'] = masked_mean(old_log_probs - log_probs, weight)
+    else:
+        policy_loss = a2c_loss(log_probs, adv, weight)
+    mean_entropy = masked_mean(entropy, weight)
+    metrics.update({'metrics/policy_loss': policy_loss, 'metrics/entropy': mean_entropy})
+    return policy_loss - hp['entropy_coeff'] * mean_entropy, metrics
+
+
+def policy_step(spec, hp, data, minibatch, state, i):
+    """One policy gradient step on step i's minibatch of `data`."""
+    index = minibatch(i)
+    batch = data if index is None else jax.tree.map(lambda x: x[index], data)
+    grads, metrics = jax.grad(functools.partial(policy_objective, spec), has_aux=True)(
+        state.params, batch, hp)
+    grads = clip_by_global_norm(grads, hp['max_grad_norm'])
+    updates, opt_state = optimizer(spec, hp).update(grads, state.opt_state, state.params)
+    return state._replace(params=optax.apply_updates(state.params, updates),
+                          opt_state=opt_state, train_step=state.train_step + 1), metrics
+
+
+def policy_chunks(spec, hp, state, key):
+    """train_steps_per_epoch policy steps (evals_per_epoch chunks) on the
+    epoch's steps, advantages from the value network just trained."""
+    adv, _ = advantages_of(spec, hp, state.value_params, state.rollout)
+    weight = flat(state.rollout.valid).astype(jnp.float32)
+    obs, action, adv = flat(state.rollout.obs), flat(state.rollout.action), flat(adv)
+    # The collecting policy's log-probs (Trax keeps its dist_inputs in the
+    # trajectory): the policy has not changed since it collected.
+    old_log_probs = jax.lax.stop_gradient(
+        common.log_prob_and_entropy(spec.policy, state.params, obs, action)[0])
+    data = (obs, action, adv, old_log_probs, weight)
+    raw = {'metrics/advantage_mean': masked_mean(adv, weight),
+           'metrics/advantage_std': jnp.sqrt(masked_mean(
+               (adv - masked_mean(adv, weight)) ** 2, weight))}
+    config = spec.config
+    minibatch = minibatches(spec, key, weight, config.train_steps_per_epoch, config.batch_size)
+    step = functools.partial(policy_step, spec, hp, data, minibatch)
+
+    def chunk(state, steps):
+        state, metrics = jax.lax.scan(step, state, steps)
+        return state, jax.tree.map(jnp.mean, metrics)
+
+    steps = jnp.arange(config.train_steps_per_epoch).reshape(config.evals_per_epoch,
+                                                              spec.chunk_steps)
+    state, metrics = jax.lax.scan(chunk, state, steps)
+    return state, {**jax.tree.map(lambda m: m[-1], metrics), **raw}
+
+
+def train(spec, hp, state):
+    """Value training first, then the policy (Trax's order)."""
+    key, value_key, policy_key = jax.random.split(state.key, 3)
+    # Trax syncs the target network before value training, too.
+    state = state._replace(key=key, target_value_params=state.value_params)
+    state, value_metrics = jax.lax.scan(
+        lambda s, k: value_chunk(spec, hp, s, k), state,
+        jax.random.split(value_key, spec.config.value_evals_per_epoch))
+    state, metrics = policy_chunks(spec, hp, state, policy_key)
+    state = state._replace(epoch=state.epoch + 1)
+    metrics.update(jax.tree.map(lambda m: m[-1], value_metrics))  # the last chunk's
+    if spec.policy.kind == 'box':
+        metrics['metrics/log_std'] = jnp.mean(state.params['log_std'])
+    return state, metrics
+
+
+def evaluate(spec, hp, state):
+    """Fresh episodes for each (temperature, horizon); never training data."""
+    return common.evaluate_policy(spec.policy, state, spec.eval_tags,
+                                  spec.config.n_eval_episodes)
+
+
+def make_agent(config: Config) -> common.Agent:
+    """Validate `config`, derive its Spec and build A2C's or PPO's per-run phases."""
+    check_config(config)
+    policy = common.policy_spec(config)
+    max_steps = policy.max_steps
+    fresh = bool(config.n_trajectories_per_epoch)
+    n_envs = config.n_trajectories_per_epoch if fresh else config.n_envs
+    epochs = config.lr_decay_epochs or config.epochs
+    spec = Spec(
+        config=config, policy=policy,
+        eval_tags=tuple((t, h) for t in config.eval_temperatures
+                        for h in (config.eval_steps or (max_steps,))),
+        fresh_episodes=fresh, n_envs=n_envs,
+        steps=max_steps if fresh else config.n_interactions_per_epoch // config.n_envs,
+        estimator=config.advantage_estimator, margin=config.added_policy_slice_length,
+        chunk_steps=config.train_steps_per_epoch // config.evals_per_epoch,
+        value_chunk_steps=config.value_train_steps_per_epoch // config.value_evals_per_epoch,
+        total_train_steps=epochs * config.train_steps_per_epoch,
+        total_value_steps=epochs * config.value_train_steps_per_epoch)
+    return common.Agent(
+        name='actor_critic', init=functools.partial(init, spec),
+        collect=functools.partial(collect, spec), train=functools.partial(train, spec),
+        evaluate=functools.partial(evaluate, spec), eval_tags=list(spec.eval_tags),
+        max_steps=max_steps, spec=spec,
+        memory_flags='--num-seeds (or the grid), --n-trajectories-per-epoch '
+        'or --n-interactions-per-epoch, --max-steps')
+
+
+# Per-env settings: the fields that differ from the defaults above (PPO on
+# CartPole-v1), used when --env names the env and the flag is not given (a
+# flag on the command line wins). Each entry was tuned for PPO (learning
+# rates 1e-3, 32 evaluation episodes) and names it: with --policy-loss a2c
+# none of it applies. Tuning notes: docs/actor_critic.md.
+PPO = {'policy_loss': 'ppo', 'lr': 1e-3, 'value_lr': 1e-3, 'n_eval_episodes': 32}
+BATCH_256 = {'entropy_coeff': 0.0, 'train_steps_per_epoch': 32, 'batch_size': 256,
+             'value_batch_size': 256, 'value_train_steps_per_epoch': 32}
+DISCRETE = {**PPO, **BATCH_256, 'epochs': 50}
+# MinAtar: the conv torso (--torso auto), dense 128, PureJaxRL's rollouts
+# shrunk to about 5 CPU minutes for 4 seeds. Untuned.
+MINATAR = {**PPO, 'hidden_sizes': (128,), 'n_envs': 32, 'n_interactions_per_epoch': 4096,
+           'train_steps_per_epoch': 32, 'batch_size': 512, 'value_batch_size': 512,
+           'value_train_steps_per_epoch': 32, 'epochs': 60, 'n_eval_episodes': 8}
+ENV_SETTINGS = {
+    'Pendulum-v1': {**PPO, **BATCH_256, 'gamma': 0.95, 'epochs': 300},  # 0.99: worse
+    # gSDE's smooth noise rocks the car up the hill; fresh noise stands still.
+    'MountainCarContinuous-v0': {**PPO, **BATCH_256, 'epochs': 60,
+                                 'normalize_observations': True,
+                                 'state_dependent_exploration': True, 'sde_sample_freq': 32},
+    'Acrobot-v1': {**PPO, 'entropy_coeff': 0.0, 'epochs': 300},  # 200: -83.7
+    **{name: DISCRETE for name in ('DeepSea-bsuite', 'MemoryChain-bsuite',
+                                   'BernoulliBandit-misc', 'GaussianBandit-misc', 'MetaMaze-misc')},
+    'Catch-bsuite': {**DISCRETE, 'epochs': 30},
+    'FourRooms-misc': {**DISCRETE, 'epochs': 100},  # 50: 0.99, worst seed 0.94
+    # 8192 evaluation episodes: each step pays a +-1 distractor (return std 3).
+    'UmbrellaChain-bsuite': {**DISCRETE, 'epochs': 100, 'n_eval_episodes': 8192},
+    'DiscountingChain-bsuite': {**DISCRETE, 'gamma': 0.9},  # 0.99: settles on a 1.0 chain
+    **{name: MINATAR for name in ('Asterix-MinAtar', 'Breakout-MinAtar', 'Freeway-MinAtar',
+                                  'SpaceInvaders-MinAtar', 'Seaquest-MinAtar')},
+}
+
+
+def check_config(config: Config):
+    """Each field's declared constraint, then the rules that tie fields together."""
+    common.check_fields(config)
+    error = common.UsageError
+    if (config.n_trajectories_per_epoch is None) == (config.n_interactions_per_epoch is None):
+        raise error('exactly one of --n-trajectories-per-epoch or --n-interactions-per-epoch '
+                    'must be set (the other to none)')
+    if config.n_interactions_per_epoch and config.n_interactions_per_epoch % config.n_envs:
+        raise error(f'--n-interactions-per-epoch ({config.n_interactions_per_epoch}) must be a '
+                    f'multiple of --n-envs ({config.n_envs})')
+    if config.train_steps_per_epoch % config.evals_per_epoch:
+        raise error(f'--train-steps-per-epoch ({config.train_steps_per_epoch}) must be '
+                    f'divisible by --evals-per-epoch ({config.evals_per_epoch})')
+    common.multifactor(config.lr_schedule)  # validates the factor names
+    estimator = config.advantage_estimator
+    if estimator in ('td_k', 'td_lambda', 'gae') and config.added_policy_slice_length < 1:
+        raise error(f'--advantage-estimator {estimator} needs --added-policy-slice-length >= 1 '
+                    '(with 0 it looks no step ahead: td_k has no k, td_lambda and gae give 0)')
+    if config.value_train_steps_per_epoch % config.value_evals_per_epoch:
+        raise error(f'--value-train-steps-per-epoch ({config.value_train_steps_per_epoch}) must '
+                    f'be divisible by --value-evals-per-epoch ({config.value_evals_per_epoch})')
+
+
+def check_hyperparameters(config, runs):
+    """Cross-field rules on swept values (each value's range: common.check_fields)."""
+    for run in runs:
+        if config.scale_value_targets and run['gamma'] == 1:
+            raise common.UsageError('--scale-value-targets divides by 1 - gamma: it needs '
+                                    '--gamma < 1')
+
+
+def main(argv=None):
+    from harness import cli  # the command line; `import actor_critic` alone does not need it
+    return cli.main(Config, make_agent, check_hyperparameters, 'actor_critic.py',
+                    __doc__.split('\n\n')[0], argv, env_settings=ENV_SETTINGS,
+                    settings_mode_field='policy_loss')
+
+
+if __name__ == '__main__':
+    sys.exit(0 if main() is not None else 1)

@@ -1,0 +1,574 @@
+"""actor_critic.py: A2C and PPO. Value targets of every estimator against a
+plain-loop reference, the losses by hand, the value chunk and target syncs,
+minibatch passes, value probes with known values, gSDE's noise schedule,
+CartPole-v1 learning, the defaults' PPO, the per-env settings and bad input.
+Module-level pieces are called with `agent.spec`; nothing is monkey-patched."""
+
+import dataclasses
+import json
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import actor_critic as ac  # noqa: E402
+import common  # noqa: E402
+from harness import flags  # noqa: E402
+import probe_envs  # noqa: E402
+# The probe envs (registered on import) and the phase driver are test_pg's.
+from test_pg import GYMNAX_ENVS, cache, run_phases  # noqa: E402,F401 (cache: a fixture)
+
+# ---------------------------------------------------------------------------
+# Actor-critic (a2c, ppo): value targets, losses, value probes, learning.
+# ---------------------------------------------------------------------------
+
+GAMMA = 0.9
+
+
+def ref_n_step(t, n, reward, terminated, truncated, final_value, values, last_value, gamma):
+    """Plain-loop reference: the n-step return of step t in a row that may hold
+    several episodes. The sum stops at the episode's end (a termination adds
+    nothing more, a truncation adds gamma * V(final obs)) and at the row's end
+    (then gamma^e V(last obs)); otherwise it bootstraps from V(s_{t+n})."""
+    total, discount = 0.0, 1.0
+    for j in range(n):
+        i = t + j
+        if i == len(reward):  # past the collected steps: bootstrap from the last obs
+            return total + discount * last_value
+        total += discount * reward[i]
+        if terminated[i]:
+            return total
+        if truncated[i]:
+            return total + discount * gamma * final_value[i]
+        discount *= gamma
+    i = t + n
+    return total + discount * (last_value if i == len(reward) else values[i])
+
+
+def ref_targets(name, margin, lam, row, gamma=GAMMA):
+    """Each step's value target by the definitions, not by the estimators'
+    recursions: Monte Carlo = the return to the episode's (or row's) end;
+    td_k = the k-step return; td_lambda and gae on Trax's slices of margin
+    steps = the lambda-weighted n-step returns, n = 1..margin."""
+    reward, terminated, truncated, final_value, values, last_value = row
+    steps = len(reward)
+    n_step = lambda t, n: ref_n_step(t, n, reward, terminated, truncated, final_value, values,
+                                     last_value, gamma)
+    if name == 'monte_carlo':
+        return np.array([n_step(t, steps + 1) for t in range(steps)])
+    if name == 'td_k':
+        return np.array([n_step(t, margin) for t in range(steps)])
+    weights = [(1 - lam) * lam ** (n - 1) for n in range(1, margin)] + [lam ** (margin - 1)]
+    return np.array([sum(w * n_step(t, n) for n, w in zip(range(1, margin + 1), weights))
+                     for t in range(steps)])
+
+
+# One env's row of 9 steps: an episode terminated at step 2, one truncated by
+# the time limit at step 5 (V(final obs) = 4), then one running past the row's
+# end (V(last obs) = 2.5).
+ROW = (np.array([1.0, -2.0, 3.0, 0.5, 1.5, 2.0, -1.0, 0.25, 4.0], np.float32),
+       np.array([0, 0, 1, 0, 0, 0, 0, 0, 0], bool),
+       np.array([0, 0, 0, 0, 0, 1, 0, 0, 0], bool),
+       np.array([9, 9, 9, 9, 9, 4.0, 9, 9, 9], np.float32),
+       np.array([0.3, 1.1, -0.7, 2.0, 0.4, 1.6, -0.2, 0.9, 1.3], np.float32),
+       np.float32(2.5))
+
+
+def row_advantages(name, margin, lam, row, gamma=GAMMA):
+    reward, terminated, truncated, final_value, values, last_value = map(jnp.asarray, row)
+    reward = ac.bootstrapped_rewards(reward, terminated, truncated, final_value, gamma)
+    estimator = ac.make_estimator(name, gamma, margin, lam)
+    return ac.step_advantages(estimator, margin, name == 'monte_carlo', gamma, reward,
+                              terminated | truncated, jnp.ones(len(row[0]), bool), values,
+                              last_value)
+
+
+@pytest.mark.parametrize('name, margin', [('monte_carlo', 0), ('monte_carlo', 3), ('td_k', 1),
+                                          ('td_k', 3), ('td_lambda', 1), ('td_lambda', 4),
+                                          ('gae', 4), ('gae', 12)])
+def test_value_targets_are_values_plus_each_estimators_advantage(name, margin):
+    """V(s) + A for every common.py estimator on Trax's slices equals the
+    definition's return: episode ends cut it, a truncation bootstraps from
+    V(final obs), the row's end from V(last obs), a termination from nothing."""
+    adv = row_advantages(name, margin, 0.8, ROW)
+    np.testing.assert_allclose(np.asarray(adv) + ROW[4], ref_targets(name, margin, 0.8, ROW),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_truncation_bootstraps_and_termination_does_not():
+    """The same row, read with the truncation as a termination (Trax): its
+    episode's targets lose gamma^j * gamma * V(final obs), and nothing else
+    changes."""
+    as_terminal = (ROW[0], ROW[1] | ROW[2], np.zeros(9, bool), *ROW[3:])
+    for name, margin in (('td_lambda', 4), ('monte_carlo', 0), ('td_k', 3)):
+        diff = np.asarray(row_advantages(name, margin, 0.8, ROW)
+                          - row_advantages(name, margin, 0.8, as_terminal))
+        np.testing.assert_allclose(diff[:3], 0, atol=1e-6)  # the terminated episode
+        np.testing.assert_allclose(diff[6:], 0, atol=1e-6)  # the episode after
+        assert diff[5] == pytest.approx(GAMMA * 4.0, rel=1e-5)  # its last step: r + gamma V
+        assert np.all(diff[3:6] > 0)
+    # gae equals td_lambda on the same slices (Trax's table: td_lambda = gae).
+    np.testing.assert_allclose(row_advantages('gae', 5, 0.7, ROW),
+                               row_advantages('td_lambda', 5, 0.7, ROW), rtol=1e-5, atol=1e-5)
+
+
+# pg.py's defaults, which these small configs were written against (the
+# defaults here are PPO's): one full-batch policy step, no momentum, no clipping.
+OLD_DEFAULTS = dict(n_interactions_per_epoch=None, train_steps_per_epoch=1, batch_size=0,
+                    lr=1e-2, adam_b1=0.0, adam_b2=0.99, gamma=0.995, entropy_coeff=0.0,
+                    max_grad_norm=0.0, value_batch_size=64, value_train_steps_per_epoch=500)
+
+
+def ac_config(**overrides):
+    values = dict(OLD_DEFAULTS, env='PgProbe-Countdown', epochs=1, n_trajectories_per_epoch=2,
+                  max_steps=6,
+                  hidden_sizes=(), policy_loss='a2c', advantage_estimator='td_lambda',
+                  added_policy_slice_length=3, lr_schedule='constant', gamma=GAMMA,
+                  value_batch_size=0, value_train_steps_per_epoch=2, value_lr=0.1,
+                  n_eval_episodes=0)
+    values.update(overrides)
+    return ac.Config(**values)
+
+
+def single_hp(config):
+    return {name: jnp.asarray(value, jnp.float32)
+            for name, value in common.expand_runs(config, {}, 0, 1)[0].items() if name != 'seed'}
+
+
+def hand_rollout():
+    """Two rows of 6 steps of Countdown-shaped observations [x, 1]: row 0 is
+    ROW's first 6 steps (terminated at 2, truncated at 5), row 1 one episode
+    running past the end of the row."""
+    obs = jnp.stack([jnp.linspace(0, 1, 6), jnp.ones(6)], -1)
+    obs = jnp.stack([obs, obs[::-1] * jnp.asarray([0.5, 1.0])])
+    final = obs + jnp.asarray([0.3, 0.0])
+    return ac.Rollout(obs=obs, action=jnp.zeros((2, 6), jnp.int32),
+                      reward=jnp.stack([jnp.asarray(ROW[0][:6]), jnp.arange(6.0)]),
+                      terminated=jnp.asarray([ROW[1][:6], np.zeros(6, bool)]),
+                      truncated=jnp.asarray([ROW[2][:6], np.zeros(6, bool)]),
+                      final_obs=final, valid=jnp.ones((2, 6), bool),
+                      last_obs=jnp.asarray([[0.2, 1.0], [0.9, 1.0]]))
+
+
+def linear_value(params, obs):
+    return np.asarray(obs) @ np.asarray(params[0]['w'])[:, 0] + float(params[0]['b'][0])
+
+
+def test_value_chunk_regresses_on_target_network_targets_and_syncs_after():
+    """One value chunk of 2 full-batch Adam steps: the targets are
+    V_target + A from the target network, computed once and held while the
+    online network moves (they differ between syncs); right after the chunk
+    the target network is the trained one."""
+    config = ac_config()
+    agent = ac.make_agent(config)
+    hp = single_hp(config)
+    state = agent.init(jax.random.PRNGKey(0), hp)
+    online = [{'w': jnp.asarray([[1.5], [0.5]]), 'b': jnp.asarray([0.2])}]
+    target = [{'w': jnp.asarray([[-1.0], [2.0]]), 'b': jnp.asarray([0.1])}]
+    rollout = hand_rollout()
+    # (The fresh optimiser state of init fits these parameters' shapes.)
+    state = state._replace(rollout=rollout, value_params=online, target_value_params=target)
+    new_state, _ = ac.value_chunk(agent.spec, hp, state, jax.random.PRNGKey(1))
+
+    # The targets by the definitions, with the target network's values.
+    targets = []
+    for row in range(2):
+        v = linear_value(target, rollout.obs[row])
+        row_data = (np.asarray(rollout.reward[row]), np.asarray(rollout.terminated[row]),
+                    np.asarray(rollout.truncated[row]),
+                    linear_value(target, rollout.final_obs[row]), v,
+                    linear_value(target, rollout.last_obs[row][None])[0])
+        targets.append(ref_targets('td_lambda', 3, 0.95, row_data))
+    targets = jnp.asarray(np.concatenate(targets), jnp.float32)
+    obs = rollout.obs.reshape(12, 2)
+
+    def l2(params):
+        return jnp.mean((obs @ params[0]['w'][:, 0] + params[0]['b'][0] - targets) ** 2)
+
+    optimizer = optax.adam(0.1)
+    params, opt_state = online, optimizer.init(online)
+    for _ in range(2):
+        updates, opt_state = optimizer.update(jax.grad(l2)(params), opt_state)
+        params = optax.apply_updates(params, updates)
+    for got, want in zip(jax.tree.leaves(new_state.value_params), jax.tree.leaves(params)):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    # Right after the chunk: synced.
+    for got, want in zip(jax.tree.leaves(new_state.target_value_params),
+                         jax.tree.leaves(new_state.value_params)):
+        np.testing.assert_array_equal(got, want)
+    assert int(new_state.value_train_step) == 2
+    # Between syncs the target network is not the online one: targets from the
+    # online network (or refreshed after the first step) give other parameters.
+    state_online = state._replace(target_value_params=online)
+    other, _ = ac.value_chunk(agent.spec, hp, state_online, jax.random.PRNGKey(1))
+    assert not np.allclose(other.value_params[0]['w'], new_state.value_params[0]['w'])
+
+
+def test_train_syncs_the_target_before_value_training_and_after_each_chunk():
+    config = ac_config(value_evals_per_epoch=2, value_train_steps_per_epoch=4)
+    agent = ac.make_agent(config)
+    hp = single_hp(config)
+    state = agent.init(jax.random.PRNGKey(0), hp)
+    stale = jax.tree.map(lambda x: x + 1.0, state.value_params)
+    state = state._replace(rollout=hand_rollout(), target_value_params=stale)
+    new_state, metrics = agent.train(hp, state)
+    for got, want in zip(jax.tree.leaves(new_state.target_value_params),
+                         jax.tree.leaves(new_state.value_params)):
+        np.testing.assert_array_equal(got, want)
+    # Chunk by chunk, by hand: sync, chunk, sync, chunk (the stale target is never used).
+    manual = state._replace(target_value_params=state.value_params)
+    for chunk_key in jax.random.split(jax.random.split(state.key, 3)[1], 2):
+        manual, _ = ac.value_chunk(agent.spec, hp, manual, chunk_key)
+    for got, want in zip(jax.tree.leaves(new_state.value_params),
+                         jax.tree.leaves(manual.value_params)):
+        np.testing.assert_allclose(got, want, rtol=1e-6)
+    assert int(new_state.value_train_step) == 4 and int(new_state.train_step) == 1
+
+
+def linear_softmax_case(seed=0, n=8, d=3, k=3):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, d)).astype(np.float32)
+    actions = rng.integers(0, k, size=n)
+    weight = np.array([1, 1, 0, 1, 1, 1, 0, 1], np.float32)[:n]
+    params = [{'w': jnp.asarray(rng.normal(size=(d, k)) * 0.5, jnp.float32),
+               'b': jnp.asarray(rng.normal(size=k) * 0.5, jnp.float32)}]
+    return x, actions, weight, params
+
+
+def softmax_np(logits):
+    p = np.exp(logits - logits.max(1, keepdims=True))
+    return p / p.sum(1, keepdims=True)
+
+
+def test_a2c_loss_value_and_gradient_by_hand():
+    x, actions, weight, params = linear_softmax_case()
+    adv = np.array([1.5, -0.5, 3.0, 0.2, -2.0, 0.7, 9.0, -1.0], np.float32)
+
+    def loss(params):
+        log_probs = common.categorical_log_prob(common.mlp(params, x), jnp.asarray(actions))
+        return ac.a2c_loss(log_probs, jnp.asarray(adv), jnp.asarray(weight))
+
+    probs = softmax_np(x @ np.asarray(params[0]['w']) + np.asarray(params[0]['b']))
+    log_p = np.log(probs[np.arange(8), actions])
+    assert float(loss(params)) == pytest.approx(-(weight * log_p * adv).sum() / weight.sum(),
+                                                rel=1e-5)
+    grads = jax.grad(loss)(params)[0]
+    dlogits = -(weight * adv / weight.sum())[:, None] * (np.eye(3)[actions] - probs)
+    np.testing.assert_allclose(grads['w'], x.T @ dlogits, rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(grads['b'], dlogits.sum(0), rtol=1e-4, atol=1e-6)
+
+
+def test_ppo_loss_value_and_gradient_by_hand_and_clipping_zeroes_it():
+    """ratio = pi / pi_old. Per step the objective is min(ratio A, clip(ratio) A);
+    its gradient is ratio A d log pi where the unclipped term is the minimum and
+    0 where the clipped one is: ratio > 1 + eps with A > 0, ratio < 1 - eps
+    with A < 0."""
+    x, actions, weight, params = linear_softmax_case(seed=1)
+    eps = 0.2
+    probs = softmax_np(x @ np.asarray(params[0]['w']) + np.asarray(params[0]['b']))
+    p_taken = probs[np.arange(8), actions]
+    # Old probabilities chosen to put each step's ratio where we want it.
+    ratio = np.array([1.5, 1.5, 0.5, 0.5, 1.1, 0.9, 1.5, 1.0], np.float32)
+    adv = np.array([1.0, -1.0, 1.0, -1.0, 2.0, -2.0, 0.0, 0.5], np.float32)
+    old_log_probs = np.log(p_taken / ratio)
+
+    def loss(params):
+        log_probs = common.categorical_log_prob(common.mlp(params, x), jnp.asarray(actions))
+        return ac.ppo_loss(log_probs, jnp.asarray(old_log_probs), jnp.asarray(adv),
+                           jnp.asarray(weight), eps)
+
+    objective = np.minimum(ratio * adv, np.clip(ratio, 1 - eps, 1 + eps) * adv)
+    assert float(loss(params)) == pytest.approx(-(weight * objective).sum() / weight.sum(),
+                                                rel=1e-4)
+    # Steps 0 (ratio 1.5, A > 0) and 3 (ratio 0.5, A < 0): clipped, no gradient;
+    # 1 and 2 (the other side): the unclipped term, full gradient.
+    active = np.array([0, 1, 1, 0, 1, 1, 1, 1], np.float32)
+    dlogits = (-(weight * active * adv * ratio / weight.sum())[:, None]
+               * (np.eye(3)[actions] - probs))
+    grads = jax.grad(loss)(params)[0]
+    np.testing.assert_allclose(grads['w'], x.T @ dlogits, rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(grads['b'], dlogits.sum(0), rtol=1e-4, atol=1e-6)
+    # Per step: the gradient with respect to its own log-prob.
+    per_step = jax.grad(lambda lp: ac.ppo_loss(lp, jnp.asarray(old_log_probs), jnp.asarray(adv),
+                                               jnp.ones(8), eps))(jnp.asarray(np.log(p_taken)))
+    np.testing.assert_allclose(per_step, -active * adv * ratio / 8, rtol=1e-5, atol=1e-7)
+    assert float(per_step[0]) == 0.0 and float(per_step[3]) == 0.0
+    assert float(per_step[1]) != 0.0 and float(per_step[2]) != 0.0
+
+
+def test_normalized_advantages_use_the_factor_epsilon_and_weights():
+    adv = jnp.asarray([1.0, 3.0, 100.0, 5.0])
+    weight = jnp.asarray([1.0, 1.0, 0.0, 1.0])
+    got = np.asarray(ac.normalized_advantages(adv, weight, 2.0, 0.5))
+    raw = np.array([1.0, 3.0, 5.0])
+    np.testing.assert_allclose(got[[0, 1, 3]], 2.0 * (raw - 3.0) / (raw.std() + 0.5), rtol=1e-6)
+
+
+def test_minibatches_visit_every_valid_step_once_per_pass():
+    weight = jnp.asarray([1, 0, 1, 1, 0, 1, 1, 1, 1, 1], jnp.float32)  # 8 valid
+    key = jax.random.PRNGKey(3)
+    batches = [np.asarray(ac.minibatch_indices(key, weight, 4, step)) for step in range(6)]
+    for pass_batches in (batches[0:2], batches[2:4], batches[4:6]):
+        assert sorted(np.concatenate(pass_batches)) == [0, 2, 3, 5, 6, 7, 8, 9]
+    assert not np.array_equal(np.concatenate(batches[0:2]), np.concatenate(batches[2:4]))
+
+
+def test_precomputed_pass_orders_give_the_same_minibatches():
+    """With every step weighted the orders are drawn once per epoch
+    (pass_orders); the minibatches are those each step would sort for itself."""
+    weight = jnp.ones(10)
+    key = jax.random.PRNGKey(5)
+    n_passes = ac.passes_needed(7, 4, 10)  # 3 minibatches per pass: 3 passes
+    assert n_passes == 3
+    orders = ac.pass_orders(key, weight, n_passes)
+    for step in range(7):
+        np.testing.assert_array_equal(ac.minibatch_indices(key, weight, 4, step, orders),
+                                      ac.minibatch_indices(key, weight, 4, step))
+
+
+def trained_value(config, obs, epochs):
+    agent, state, history, _, _ = run_phases(config, epochs=epochs)
+    value_params = jax.tree.map(lambda x: x[0], state.value_params)
+    return np.asarray(ac.value_net(agent.spec, value_params, jnp.asarray(obs))), history
+
+
+@pytest.mark.parametrize('estimator', ['td_lambda', 'monte_carlo'])
+def test_learned_value_matches_the_known_discounted_value(estimator):
+    """Countdown: 5 steps paying 1..5, then termination; V(s_t) = sum_j
+    gamma^j (t + 1 + j), the same whatever the policy (one-hot time steps and
+    a linear value network, which can represent it exactly)."""
+    config = ac_config(env='PgProbe-CountdownOneHot', epochs=20, n_trajectories_per_epoch=8,
+                       max_steps=None, advantage_estimator=estimator,
+                       value_train_steps_per_epoch=40, value_evals_per_epoch=4, value_lr=0.05)
+    expected = [sum(GAMMA ** j * (t + 1 + j) for j in range(5 - t)) for t in range(5)]
+    obs = np.eye(6)[:5]
+    values, history = trained_value(config, obs, config.epochs)
+    np.testing.assert_allclose(values, expected, rtol=0.03)
+
+
+def test_value_bootstraps_through_truncation():
+    """Endless is only ever truncated (at 5 steps): with the bootstrap from
+    V(final obs) its value is 1 / (1 - gamma) = 10; read as terminal (Trax)
+    it would be the mean truncated return, about 2.6."""
+    config = ac_config(env='PgProbe-Endless', epochs=25, n_trajectories_per_epoch=4,
+                       max_steps=None, hidden_sizes=(8,), value_train_steps_per_epoch=40,
+                       value_evals_per_epoch=4, value_lr=0.05)
+    values, _ = trained_value(config, np.ones((1, 2)), config.epochs)
+    assert float(values[0]) == pytest.approx(1 / (1 - GAMMA), rel=0.05)
+
+
+# Small CartPole-v1 configs: 16 envs whose episodes run on across epochs,
+# Adam with momentum, gradients clipped at 0.5, Trax's entropy bonus 0.01,
+# GAE over slices of 32 steps.
+AC_CARTPOLE = dict(n_trajectories_per_epoch=None, n_envs=16, advantage_estimator='gae',
+                   adam_b1=0.9, adam_b2=0.999, max_grad_norm=0.5, gamma=0.99,
+                   entropy_coeff=0.01, value_lr=1e-3, n_eval_episodes=4)
+
+
+@pytest.mark.parametrize('policy_loss, overrides', [
+    # PPO: 64 minibatch steps of 128 (4 passes) on 2048 steps per epoch.
+    ('ppo', dict(n_interactions_per_epoch=2048, train_steps_per_epoch=64, batch_size=128,
+                 value_batch_size=128, value_train_steps_per_epoch=64, lr=1e-3, epochs=100)),
+    # A2C: 2 full-batch steps on 1024 steps per epoch.
+    ('a2c', dict(n_interactions_per_epoch=1024, train_steps_per_epoch=2, batch_size=0,
+                 value_batch_size=128, value_train_steps_per_epoch=32, lr=1e-3, epochs=120)),
+])
+def test_actor_critic_solves_cartpole(policy_loss, overrides):
+    config = ac.Config(policy_loss=policy_loss, **AC_CARTPOLE, **overrides)
+    agent, state, history, _, _ = run_phases(config, epochs=config.epochs)
+    key = common.eval_key(0.0, 500)
+    assert float(history[0][key][0]) < 200  # it learned, it did not start there
+    assert float(history[-1][key][0]) >= 475
+    assert np.isfinite(float(history[-1]['metrics/value_loss'][0]))
+
+
+@pytest.mark.parametrize('argv, message', [
+    (['--advantage-estimator', 'mean_return'], '--advantage-estimator'),  # pg.py's
+    (['--policy-loss', 'reinforce'], '--policy-loss'),  # pg.py's
+    (['--policy-loss', 'sarsa'], '--policy-loss'),
+    (['--policy-loss', 'a2c', '--advantage-estimator', 'nope'], '--advantage-estimator'),
+    (['--policy-loss', 'a2c', '--added-policy-slice-length', '0'], '--added-policy-slice-length'),
+    (['--policy-loss', 'ppo', '--lambda', '1.5'], '--lambda'),
+    (['--policy-loss', 'ppo', '--epsilon', '0'], '--epsilon'),
+    (['--policy-loss', 'ppo', '--value-train-steps-per-epoch', '10',
+      '--value-evals-per-epoch', '3'], 'divisible'),
+    (['--policy-loss', 'ppo', '--scale-value-targets', '--gamma', '1'], '--scale-value-targets'),
+])
+def test_bad_actor_critic_input_exits_2_with_one_line(argv, message, tmp_path, capsys):
+    out = tmp_path / 'bad'
+    with pytest.raises(SystemExit) as exit_info:
+        ac.main([*argv, '--output-dir', str(out), '--quiet'])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and message in err
+    assert not out.exists()  # refused before anything is compiled or written
+
+
+def test_lambda_flag_and_actor_critic_defaults():
+    parser = flags.build_parser(ac.Config, 'actor_critic.py', '')
+    args = parser.parse_args(['--lambda', '0.9,0.8', '--policy-loss', 'ppo'])
+    config, grid = flags.config_and_grid(ac.Config, args)
+    assert grid == {'lambda_': [0.9, 0.8]} and config.lambda_ == 0.9
+    # PPO's defaults: GAE, rollouts carried over epochs, minibatches, momentum, clipping.
+    default = ac.Config()
+    assert (default.policy_loss, default.advantage_estimator) == ('ppo', 'gae')
+    assert default.n_trajectories_per_epoch is None and default.n_interactions_per_epoch
+    assert default.batch_size and default.value_batch_size
+    assert (default.adam_b1, default.adam_b2, default.max_grad_norm) == (0.9, 0.999, 0.5)
+    assert default.value_train_steps_per_epoch < 500  # not Trax's 500 value steps
+    # Trax's name for the normalisation switch is an alias of ours.
+    for argv, value in ((['--no-advantage-normalization'], False),
+                        (['--advantage-normalization'], True), (['--no-normalize-advantages'], False)):
+        config, _ = flags.config_and_grid(ac.Config, parser.parse_args(argv))
+        assert config.normalize_advantages is value
+
+
+def test_ppo_gaussian_probe_converges_to_the_best_continuous_action():
+    """The Box path of the actor-critic: PPO (Gaussian log-probs and ratios)
+    on one-step episodes whose best action is 0.5."""
+    config = ac_config(env='PgProbe-BoxTarget', policy_loss='ppo', epochs=40, max_steps=None,
+                       n_trajectories_per_epoch=64, hidden_sizes=(16,), lr=0.02,
+                       init_log_std=-0.5, train_steps_per_epoch=4, batch_size=32,
+                       value_train_steps_per_epoch=8, value_lr=0.05, n_eval_episodes=8,
+                       adam_b1=0.9)
+    agent, state, history, _, _ = run_phases(config, epochs=config.epochs)
+    net = jax.tree.map(lambda x: x[0], state.params['net'])
+    assert float(common.mlp(net, jnp.ones(2))[0]) == pytest.approx(0.5, abs=0.1)
+    assert float(history[-1][common.eval_key(0.0, 1)][0]) > -0.01
+    assert 0 <= float(history[-1]['metrics/clip_fraction'][0]) <= 1
+
+
+@pytest.mark.parametrize('freq, blocks', [(4, [[0, 4], [4, 8]]), (0, [[0, 8]])])
+def test_sde_weights_are_held_for_sde_sample_freq_steps(freq, blocks):
+    """BoxTarget's observation never changes, so action - mean is the noise
+    weights' draw itself: constant over each --sde-sample-freq block of an
+    env's steps (0: the whole epoch's rollout), fresh across blocks and envs."""
+    config = ac_config(env='PgProbe-BoxTarget', policy_loss='ppo', max_steps=None,
+                       n_trajectories_per_epoch=None, n_envs=2, n_interactions_per_epoch=16,
+                       hidden_sizes=(4,), state_dependent_exploration=True,
+                       sde_sample_freq=freq)
+    agent = ac.make_agent(config)
+    hp = single_hp(config)
+    state, _ = agent.collect(hp, agent.init(jax.random.PRNGKey(0), hp))
+    mean, _ = common.policy(agent.spec.policy, state.params, jnp.ones(2))
+    noise = np.asarray(state.rollout.action[..., 0] - mean[0])  # [env, step]
+    firsts = []
+    for start, stop in blocks:
+        block = noise[:, start:stop]
+        np.testing.assert_allclose(block, block[:, :1].repeat(stop - start, 1), atol=1e-6)
+        firsts.append(block[:, 0])
+    firsts = np.concatenate(firsts)
+    assert len(np.unique(np.round(firsts, 5))) == len(firsts)  # every draw its own
+    assert np.all(np.abs(firsts) > 1e-4)
+
+
+def test_gsde_ppo_solves_mountain_car_continuous():
+    """The env's settings (PPO, gSDE, observations on [-1, 1]) on seed 0: the
+    goal pays 100 minus the pushes; standing still gets 0."""
+    settings = {**ac.ENV_SETTINGS['MountainCarContinuous-v0'], 'n_eval_episodes': 4}
+    config = ac.Config(env='MountainCarContinuous-v0', **settings)
+    agent, state, history, _, _ = run_phases(config, epochs=config.epochs)
+    key = common.eval_key(0.0, 999)
+    assert abs(float(history[0][key][0])) < 50  # the first greedy policy barely moves
+    assert float(history[-1][key][0]) >= 90
+
+
+def test_ppo_settings_solve_catch():
+    """Catch-bsuite's entry (PPO) on seed 0: the ball must be caught every time
+    (+1); REINFORCE's CartPole defaults, which it replaces, missed on 3 seeds of 8."""
+    config = ac.Config(env='Catch-bsuite', **{**ac.ENV_SETTINGS['Catch-bsuite'],
+                                              'n_eval_episodes': 64})
+    agent, state, history, _, _ = run_phases(config, epochs=config.epochs)
+    key = common.eval_key(*agent.eval_tags[0])
+    assert float(history[0][key][0]) < 0.5  # not caught by chance
+    assert float(history[-1][key][0]) == 1.0
+
+
+def test_value_network_learns_the_image_probe_through_the_conv_torso():
+    """A2C's value network, conv torso: V = +1 or -1 by the lit channel, at every cell."""
+    probe_envs.register()
+    config = ac_config(env=probe_envs.IMAGE_PROBE, epochs=20, n_trajectories_per_epoch=32,
+                       max_steps=None, hidden_sizes=(16,), conv_channels=(4,),
+                       advantage_estimator='monte_carlo', value_train_steps_per_epoch=20,
+                       value_lr=0.01, gamma=0.9)
+    cells = jnp.arange(25)
+    obs = jnp.concatenate([jax.vmap(probe_envs.image_observation, (0, None))(cells, 1.0),
+                           jax.vmap(probe_envs.image_observation, (0, None))(cells, -1.0)])
+    values, _ = trained_value(config, obs, config.epochs)
+    np.testing.assert_allclose(values, [1.0] * 25 + [-1.0] * 25, atol=0.1)
+
+
+def test_env_settings_table_names_real_fields_and_valid_configs():
+    fields = {field.name: field for field in dataclasses.fields(ac.Config)}
+    for name, settings in ac.ENV_SETTINGS.items():
+        assert name in GYMNAX_ENVS, name
+        for field, value in settings.items():
+            assert field in fields, (name, field)
+            # policy_loss names the entry's loss (not applied to another).
+            assert value != fields[field].default or field == 'policy_loss', (name, field)
+        ac.check_config(dataclasses.replace(ac.Config(env=name), **settings))
+
+
+def test_env_settings_apply_flags_override_and_config_records(tmp_path, capsys):
+    """MountainCarContinuous-v0's settings, one tiny epoch: the settings line
+    shows them as flags one can type; flags given win; config.json resolves."""
+    out = tmp_path / 'run'
+    ac.main(['--env', 'MountainCarContinuous-v0', '--epochs', '1', '--n-envs', '2',
+             '--n-interactions-per-epoch', '8', '--batch-size', '4', '--value-batch-size', '4',
+             '--train-steps-per-epoch', '2', '--value-train-steps-per-epoch', '2',
+             '--n-eval-episodes', '0', '--no-state-dependent-exploration',
+             '--compile-cache', 'none', '--no-tensorboard', '--output-dir', str(out)])
+    printed = capsys.readouterr().out.splitlines()[0]
+    assert printed.startswith('actor_critic.py: settings for MountainCarContinuous-v0: ')
+    assert '--policy-loss ppo' in printed and '--sde-sample-freq 32' in printed
+    assert '--normalize-observations ' in printed and 'state-dependent' not in printed
+    config = json.loads((out / 'config.json').read_text())
+    assert config['policy_loss'] == 'ppo' and config['normalize_observations'] is True
+    assert config['sde_sample_freq'] == 32 and config['n_trajectories_per_epoch'] is None
+    assert config['state_dependent_exploration'] is False and config['epochs'] == 1
+
+
+def test_env_settings_are_for_their_policy_loss(tmp_path, capsys):
+    """Asking for another --policy-loss than an entry's (tuned for PPO) uses
+    none of it, and says so."""
+    out = tmp_path / 'run'
+    ac.main(['--env', 'Pendulum-v1', '--policy-loss', 'a2c', '--epochs', '1',
+             '--n-trajectories-per-epoch', '2', '--n-interactions-per-epoch', 'none',
+             '--max-steps', '10', '--n-eval-episodes', '0', '--batch-size', '0',
+             '--value-batch-size', '0', '--train-steps-per-epoch', '1',
+             '--value-train-steps-per-epoch', '1',
+             '--compile-cache', 'none', '--no-tensorboard', '--output-dir', str(out)])
+    printed = capsys.readouterr().out.splitlines()[0]
+    assert printed == ('actor_critic.py: the settings for Pendulum-v1 are for --policy-loss ppo: '
+                       'not applied to --policy-loss a2c')
+    config = json.loads((out / 'config.json').read_text())
+    assert config['policy_loss'] == 'a2c' and config['entropy_coeff'] == ac.Config.entropy_coeff
+    assert config['gamma'] == ac.Config.gamma and config['epochs'] == 1
+
+
+def test_defaults_are_a_ppo_whose_ratio_moves(tmp_path, cache):
+    """`python actor_critic.py`, one epoch: PPO's minibatch passes move the
+    policy away from the collecting one, so the ratio leaves 1 (approx_kl > 0)
+    and some steps are clipped."""
+    out = str(tmp_path / 'defaults')
+    metrics = ac.main(['--epochs', '1', '--output-dir', out, '--quiet', *cache])
+    assert float(metrics['metrics/approx_kl'][0]) > 0
+    assert float(metrics['metrics/clip_fraction'][0]) > 0
+    assert json.load(open(os.path.join(out, 'config.json')))['policy_loss'] == 'ppo'
+
+
+def test_help_documents_every_field(capsys):
+    with pytest.raises(SystemExit):
+        ac.main(['--help'])
+    out = capsys.readouterr().out
+    for field in dataclasses.fields(ac.Config):
+        assert '--' + field.name.replace('_', '-') in out
+        assert field.metadata['help']
