@@ -60,11 +60,12 @@ def test_import_does_not_import_the_harness(algo):
 
 
 def test_algorithm_file_and_common_alone_run_a_sweep(tmp_path):
-    """cp dqn.py common.py into an empty folder: import, then seeds x lr in one jit."""
-    for name in ('dqn.py', 'common.py'):
+    """cp dqn.py common.py into an empty folder: import, then seeds x lr in one jit
+    (and pg.py, actor_critic.py import there too, without the harness)."""
+    for name in ('common.py', *(f'{algo}.py' for algo in ALGOS)):
         shutil.copy(os.path.join(ROOT, name), tmp_path / name)
     code = '\n'.join([
-        'import common, dqn',
+        f'import common, {", ".join(ALGOS)}',
         f'config = dqn.Config(**{SMALL["dqn"]!r})',
         f'runs, state, metrics = common.run_sweep(dqn.make_agent(config), config, num_seeds=2, '
         f'grid={GRID!r}, epochs=2)',
