@@ -68,6 +68,9 @@ class Config:
         'it when resuming with a larger --epochs so the schedule does not change', bounds='[1, inf)')
     adam_b1: float = common.option(0.9, 'policy Adam first-moment decay (Trax: 0.9)', sweep=True, bounds='[0, 1)')
     adam_b2: float = common.option(0.999, 'policy Adam second-moment decay (Trax: 0.999)', sweep=True, bounds='[0, 1)')
+    adam_eps: float = common.option(
+        1e-8, 'policy and value Adam epsilon (Trax, PureJaxRL: 1e-5)', sweep=True,
+        bounds='(0, inf)')
     gamma: float = common.option(0.99, 'discount factor in (0, 1] (Trax: 0.99)', sweep=True, bounds='(0, 1]')
     normalize_advantages: bool = common.option(
         True, 'factor * (A - mean) / (std + epsilon) per minibatch (Trax: on)',
@@ -132,7 +135,13 @@ class Config:
     eval_temperatures: tuple[float, ...] = common.option(
         (0.0,), 'evaluation temperatures: 0 argmax / Gaussian mean, T samples logits / T '
         'or std * T', bounds='[0, inf)')
-    checkpoint_every: int = common.option(1, 'epochs between checkpoints (and the last)', bounds='[1, inf)')
+    eval_every: Optional[int] = common.option(
+        None, 'epochs between evaluations, and always the last (default: epochs // 20, '
+        'about 20 a run); evaluation has its own PRNG stream, so this never changes training',
+        bounds='[1, inf)')
+    checkpoint_every: Optional[int] = common.option(
+        None, 'epochs between checkpoints, and always the last (default: one a minute of '
+        'wall time, written by a background thread)', bounds='[1, inf)')
 
 
 class Rollout(NamedTuple):
@@ -155,7 +164,8 @@ class State(NamedTuple):
     env_state: object
     obs: jax.Array
     episode_return: jax.Array  # running undiscounted return of each env
-    key: jax.Array
+    key: jax.Array  # the training stream: split at each use
+    eval_key: jax.Array  # the evaluation stream's root, never advanced (common.evaluation_key)
     epoch: jax.Array  # completed epochs
     train_step: jax.Array  # policy gradient steps
     n_interactions: jax.Array
@@ -360,7 +370,8 @@ def optimizer(spec, hp):
     schedule = common.multifactor(spec.config.lr_schedule, constant=hp['lr'],
                                   warmup_steps=spec.config.warmup_steps,
                                   total_steps=spec.total_train_steps)
-    return optax.chain(optax.scale_by_adam(b1=hp['adam_b1'], b2=hp['adam_b2']),
+    return optax.chain(optax.scale_by_adam(b1=hp['adam_b1'], b2=hp['adam_b2'],
+                                           eps=hp['adam_eps']),
                        optax.scale_by_schedule(lambda s: -schedule(s)))
 
 
@@ -370,7 +381,8 @@ def value_optimizer(spec, hp):
     schedule = common.multifactor(spec.config.lr_schedule, constant=hp['value_lr'],
                                   warmup_steps=spec.config.warmup_steps,
                                   total_steps=spec.total_value_steps)
-    return optax.chain(optax.scale_by_adam(), optax.scale_by_schedule(lambda s: -schedule(s)))
+    return optax.chain(optax.scale_by_adam(eps=hp['adam_eps']),
+                       optax.scale_by_schedule(lambda s: -schedule(s)))
 
 
 def value_scale(spec, hp):
@@ -385,6 +397,7 @@ def value_net(spec, value_params, obs):
 
 def init(spec, key, hp):
     policy = spec.policy
+    eval_key, key = jax.random.split(key)
     params, obs, env_state, key = common.init_policy(policy, key, hp, spec.n_envs,
                                                      spec.fresh_episodes)
     zero = jnp.zeros((), jnp.int32)
@@ -404,7 +417,7 @@ def init(spec, key, hp):
                       last_obs=jnp.zeros((spec.n_envs,) + policy.obs_shape, obs_dtype))
     return State(params=params, opt_state=optimizer(spec, hp).init(params),
                  env_state=env_state, obs=obs, episode_return=jnp.zeros(spec.n_envs), key=key,
-                 epoch=zero, train_step=zero, n_interactions=zero, n_trajectories=zero,
+                 eval_key=eval_key, epoch=zero, train_step=zero, n_interactions=zero, n_trajectories=zero,
                  value_params=value_params,
                  value_opt_state=value_optimizer(spec, hp).init(value_params),
                  target_value_params=value_params, value_train_step=zero, rollout=rollout)

@@ -85,7 +85,13 @@ class Config:
         None, 'evaluation horizons, e.g. 200,500 (default: max_steps)', bounds='[1, inf)')
     eval_temperatures: tuple[float, ...] = common.option(
         (0.0,), 'evaluation temperatures: 0 greedy, 1 epsilon-greedy, else softmax(Q/T)', bounds='[0, inf)')
-    checkpoint_every: int = common.option(1, 'epochs between checkpoints (and the last)', bounds='[1, inf)')
+    eval_every: Optional[int] = common.option(
+        None, 'epochs between evaluations, and always the last (default: epochs // 20, '
+        'about 20 a run); evaluation has its own PRNG stream, so this never changes training',
+        bounds='[1, inf)')
+    checkpoint_every: Optional[int] = common.option(
+        None, 'epochs between checkpoints, and always the last (default: one a minute of '
+        'wall time, written by a background thread)', bounds='[1, inf)')
 
 
 class Replay(NamedTuple):
@@ -111,7 +117,8 @@ class State(NamedTuple):
     env_state: object
     obs: jax.Array
     episode_return: jax.Array  # running undiscounted return of each env
-    key: jax.Array
+    key: jax.Array  # the training stream: split at each use
+    eval_key: jax.Array  # the evaluation stream's root, never advanced (common.evaluation_key)
     epoch: jax.Array  # completed epochs
     train_step: jax.Array
     n_interactions: jax.Array
@@ -294,7 +301,7 @@ def env_reset(spec, key, count):
 
 def init(spec, key, hp):
     config = spec.config
-    net_key, env_key, key = jax.random.split(key, 3)
+    eval_key, net_key, env_key, key = jax.random.split(key, 4)
     params = common.init_network(net_key, spec.obs_shape, config.hidden_sizes, spec.n_actions,
                                  spec.torso, config.conv_channels)
     obs, env_state = env_reset(spec, env_key, spec.n_envs)
@@ -309,7 +316,8 @@ def init(spec, key, hp):
     return State(params=params, target_params=params,
                  opt_state=optimizer(spec, hp).init(params), replay=replay,
                  env_state=env_state, obs=obs, episode_return=jnp.zeros(spec.n_envs), key=key,
-                 epoch=zero, train_step=zero, n_interactions=zero, n_trajectories=zero)
+                 eval_key=eval_key, epoch=zero, train_step=zero, n_interactions=zero,
+                 n_trajectories=zero)
 
 
 def collect(spec, hp, state):
@@ -453,17 +461,18 @@ def train(spec, hp, state):
 
 
 def evaluate(spec, hp, state):
-    """Fresh episodes for each (temperature, horizon); never enter the replay."""
+    """Fresh episodes for each (temperature, horizon); never enter the replay.
+    The state comes back as it was: evaluating never moves training."""
     if spec.config.n_eval_episodes == 0:
         return state, {}
-    key, *tag_keys = jax.random.split(state.key, 1 + 3 * len(spec.eval_tags))
+    tag_keys = jax.random.split(common.evaluation_key(state), 3 * len(spec.eval_tags))
     eps = epsilon(spec, hp, state.epoch)
     metrics = {}
     for i, (temperature, horizon) in enumerate(spec.eval_tags):
         returns = evaluation_returns(spec, hp, state.params, eps, temperature, horizon,
                                      *tag_keys[3 * i:3 * i + 3])
         metrics[common.eval_key(temperature, horizon)] = returns.mean()
-    return state._replace(key=key), metrics
+    return state, metrics
 
 
 def evaluation_returns(spec, hp, params, eps, temperature, horizon, reset_key, noise_key,

@@ -104,7 +104,13 @@ class Config:
     eval_temperatures: tuple[float, ...] = common.option(
         (0.0,), 'evaluation temperatures: 0 argmax / Gaussian mean, T samples logits / T '
         'or std * T', bounds='[0, inf)')
-    checkpoint_every: int = common.option(1, 'epochs between checkpoints (and the last)', bounds='[1, inf)')
+    eval_every: Optional[int] = common.option(
+        None, 'epochs between evaluations, and always the last (default: epochs // 20, '
+        'about 20 a run); evaluation has its own PRNG stream, so this never changes training',
+        bounds='[1, inf)')
+    checkpoint_every: Optional[int] = common.option(
+        None, 'epochs between checkpoints, and always the last (default: one a minute of '
+        'wall time, written by a background thread)', bounds='[1, inf)')
 
 
 class Batch(NamedTuple):
@@ -134,7 +140,8 @@ class State(NamedTuple):
     env_state: object
     obs: jax.Array
     episode_return: jax.Array  # running undiscounted return of each env
-    key: jax.Array
+    key: jax.Array  # the training stream: split at each use
+    eval_key: jax.Array  # the evaluation stream's root, never advanced (common.evaluation_key)
     epoch: jax.Array  # completed epochs
     train_step: jax.Array
     n_interactions: jax.Array
@@ -260,6 +267,7 @@ def optimizer(spec, hp):
 
 def init(spec, key, hp):
     policy, n = spec.policy, spec.batch_n
+    eval_key, key = jax.random.split(key)
     params, obs, env_state, key = common.init_policy(policy, key, hp, spec.n_envs,
                                                      spec.fresh_episodes)
     action_dtype = jnp.int32 if policy.kind == 'discrete' else jnp.float32
@@ -276,7 +284,8 @@ def init(spec, key, hp):
     zero = jnp.zeros((), jnp.int32)
     return State(params=params, opt_state=optimizer(spec, hp).init(params), batch=batch,
                  tail=tail, env_state=env_state, obs=obs, episode_return=jnp.zeros(spec.n_envs),
-                 key=key, epoch=zero, train_step=zero, n_interactions=zero, n_trajectories=zero)
+                 key=key, eval_key=eval_key, epoch=zero, train_step=zero, n_interactions=zero,
+                 n_trajectories=zero)
 
 
 def episodes_to_train(spec, tail, rec):

@@ -12,6 +12,7 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 import typing
 
@@ -73,7 +74,10 @@ def epoch_line(epoch, epochs, metrics, recent_return, seconds, seconds_left):
 
 
 # Fields that may change between a run and its resumption.
-HARMLESS_FIELDS = {'epochs', 'checkpoint_every'}
+HARMLESS_FIELDS = {'epochs', 'checkpoint_every', 'eval_every'}
+CHUNK_SECONDS = 3.0  # the wall time aimed at per compiled call (a chunk of epochs)
+CHUNK_EPOCHS = 256  # at most this many epochs per chunk: its metric buffers' length
+CHECKPOINT_SECONDS = 60.0  # between checkpoints, unless --checkpoint-every is given
 
 
 def _fail(prog, message, status=2, local=False):
@@ -107,7 +111,7 @@ def _writer_lock(path):
 
 
 class _Interrupt:
-    """First Ctrl-C: finish the epoch, checkpoint, stop. Second: stop now."""
+    """First Ctrl-C: finish the chunk of epochs, checkpoint, stop. Second: stop now."""
 
     def __init__(self):
         self.requested = False
@@ -120,17 +124,13 @@ class _Interrupt:
         if self.requested:
             raise KeyboardInterrupt
         self.requested = True
-        print('interrupt: finishing this epoch, then saving (Ctrl-C again to abandon it)',
+        print('interrupt: finishing this chunk of epochs, then saving (Ctrl-C again to '
+              'abandon it)',
               file=sys.stderr, flush=True)
 
     def __exit__(self, *exc):
         signal.signal(signal.SIGINT, self.previous)
         return False
-
-
-def _finite_floats(tree):
-    return jnp.all(jnp.asarray([jnp.all(jnp.isfinite(leaf)) for leaf in jax.tree.leaves(tree)
-                                if jnp.issubdtype(leaf.dtype, jnp.floating)] or [True]))
 
 
 def config_differences(saved, current):
@@ -197,7 +197,7 @@ def _run_experiment(make_agent, config, grid, args, prog):
 
 def _locked_experiment(run, args, prog):
     _find_saved_run(run)
-    state, phases, finite = _compile_phases(run, args)
+    state, phases = _compile_phases(run, args)
     if run.resuming:
         state = _restore(run, state)
     elif not args.only_eval and devices.is_writer():
@@ -205,7 +205,7 @@ def _locked_experiment(run, args, prog):
                            json.dumps(run.run_config, indent=2).encode())
     if args.only_eval:
         return _only_eval(run, phases, state, args)
-    last = _epoch_loop(run, phases, finite, state, args, prog)
+    last = _epoch_loop(run, phases, state, args, prog)
     _finish(run, args)
     return last
 
@@ -223,6 +223,7 @@ class _Run:
     run_config: dict  # what config.json and the checkpoint record
     resuming: bool
     wall_start: float
+    batch_invariant: bool = True  # --batch-invariant
     compile_s: float = 0.0
     start_epoch: int = 0
     history: list = dataclasses.field(default_factory=list)  # metric records so far
@@ -281,7 +282,8 @@ def _set_up(make_agent, config, grid, args, prog):
     keys = jax.vmap(jax.random.PRNGKey)(jnp.asarray([run['seed'] for run in runs], jnp.int32))
     return _Run(agent=agent, config=config, runs=runs, hp=devices.put_global(hp, sharding),
                 keys=devices.put_global(keys, sharding), sharding=sharding, output_dir=output_dir,
-                run_config=run_config, resuming=False, wall_start=wall_start)
+                run_config=run_config, resuming=False, wall_start=wall_start,
+                batch_invariant=getattr(args, 'batch_invariant', True))
 
 
 def _find_saved_run(run):
@@ -323,29 +325,42 @@ def _check_saved_config(run):
 
 
 def _compile_phases(run, args):
-    """Compile init, the three phases and the finiteness check; run init.
-    Returns (initial state, {phase name: compiled}, compiled finite check)."""
+    """Compile init and the chunk of epochs (or, for --only-eval, evaluate);
+    run init. Returns (initial state, {name: compiled})."""
     compile_start = time.time()
-    sharding = run.sharding
-    options = common.compiler_options(getattr(args, 'batch_invariant', True))
-    def compiled(function, *example):  # every leaf of every input/output is [n_runs, ...]
-        vectorized = jax.vmap(function)
-        if isinstance(sharding, jax.sharding.NamedSharding):
-            # Each device runs the same vmapped program on its slice of runs, so
-            # results are bitwise those of one device (GSPMD's rewrite is not).
-            spec = sharding.spec
-            vectorized = jax.shard_map(vectorized, mesh=sharding.mesh,
-                                       in_specs=(spec,) * len(example), out_specs=spec,
-                                       check_vma=False)
-        return jax.jit(vectorized, in_shardings=sharding, out_shardings=sharding).lower(
-            *example).compile(compiler_options=options)
-    state = compiled(run.agent.init, run.keys, run.hp)(run.keys, run.hp)
-    phases = {name: compiled(getattr(run.agent, name), run.hp, state)
-              for name in ('collect', 'train', 'evaluate')}
-    # Per run, [n_runs] (no reduction across devices or processes).
-    finite = compiled(lambda hp, state: _finite_floats(state.params), run.hp, state)
+    state = _compiled(run, jax.vmap(run.agent.init), run.keys, run.hp)(run.keys, run.hp)
+    if args.only_eval:
+        phases = {'evaluate': _compiled(run, jax.vmap(run.agent.evaluate), run.hp, state)}
+    else:
+        length = min(CHUNK_EPOCHS, run.config.epochs)
+        def chunk(hp, state, plan):  # plan: [n_runs, 4], every row start, n, epochs, eval_every
+            return common.run_epochs(run.agent, length, hp, state, *plan[0])
+        phases = {'chunk': _compiled(run, chunk, run.hp, state, _plan(run, 0, 1)),
+                  'length': length}
     run.compile_s = time.time() - compile_start
-    return state, phases, finite
+    return state, phases
+
+
+def _compiled(run, function, *example):
+    """`function` of batched arguments, compiled with every leaf of every input
+    and output [n_runs, ...] on the run's sharding."""
+    sharding = run.sharding
+    if isinstance(sharding, jax.sharding.NamedSharding):
+        # Each device runs the same vmapped program on its slice of runs, so
+        # results are bitwise those of one device (GSPMD's rewrite is not).
+        function = jax.shard_map(function, mesh=sharding.mesh,
+                                 in_specs=(sharding.spec,) * len(example),
+                                 out_specs=sharding.spec, check_vma=False)
+    options = common.compiler_options(run.batch_invariant)
+    return jax.jit(function, in_shardings=sharding, out_shardings=sharding).lower(
+        *example).compile(compiler_options=options)
+
+
+def _plan(run, start, n):
+    """The chunk's traced plan, one identical row per run (sharded as the runs)."""
+    row = [start, n, run.config.epochs, common.evaluation_period(run.config)]
+    return devices.put_global(np.tile(np.asarray(row, np.int32), (len(run.runs), 1)),
+                              run.sharding)
 
 
 def _restore(run, state):
@@ -383,70 +398,86 @@ def _only_eval(run, phases, state, args):
     return metrics
 
 
-def _run_epoch(run, phases, state):
-    """Collect, train, evaluate: (state, metrics as numpy [n_runs], with timings)."""
-    n_runs = len(run.runs)
-    epoch_start = time.time()
-    state, collect_metrics = phases['collect'](run.hp, state)
-    jax.block_until_ready(state)
-    collect_s = time.time() - epoch_start
-    state, train_metrics = phases['train'](run.hp, state)
-    jax.block_until_ready(state)
-    train_s = time.time() - epoch_start - collect_s
-    state, eval_metrics = phases['evaluate'](run.hp, state)
-    metrics = devices.gather({**collect_metrics, **train_metrics, **eval_metrics})
-    new_steps = metrics.pop('rl/new_interactions')
-    metrics['rl/n_interactions_per_second'] = new_steps / max(collect_s, 1e-9)
-    metrics['timing/collect'] = np.full(n_runs, collect_s)
-    metrics['timing/train'] = np.full(n_runs, train_s)
-    metrics['timing/epoch'] = np.full(n_runs, time.time() - epoch_start)
-    metrics['timing/since_start'] = np.full(n_runs, time.time() - run.wall_start)
-    return state, metrics
+def _run_chunk(run, phases, state, start, n):
+    """Epochs start+1 .. start+n in one compiled call -> (state, [(epoch,
+    metrics as numpy [n_runs])], finite [n, n_runs]), with timings: a chunk's
+    epochs share its mean epoch time."""
+    chunk_start = time.time()
+    state, metrics, finite = phases['chunk'](run.hp, state, _plan(run, start, n))
+    metrics, finite = devices.gather((metrics, finite))  # waits for the chunk
+    seconds = (time.time() - chunk_start) / n
+    evaluated = {common.eval_key(*tag) for tag in run.agent.eval_tags}
+    epochs = []
+    for i in range(n):
+        epoch = start + i + 1
+        due = common.evaluation_due(epoch, run.config.epochs, common.evaluation_period(run.config))
+        values = {name: value[:, i] for name, value in metrics.items()
+                  if due or name not in evaluated}
+        values['rl/n_interactions_per_second'] = values.pop('rl/new_interactions') / seconds
+        values['timing/epoch'] = np.full(len(run.runs), seconds)
+        values['timing/since_start'] = np.full(
+            len(run.runs), chunk_start + seconds * (i + 1) - run.wall_start)
+        epochs.append((epoch, values))
+    return state, epochs, finite[:, :n].T
 
 
-def _epoch_loop(run, phases, finite, state, args, prog):
-    """Epochs start_epoch+1 .. config.epochs: metrics, checkpoints, the NaN guard
-    and Ctrl-C. Returns the last epoch's metrics."""
+def _chunk_size(run, length, progress, epoch, args):
+    """Epochs in the next chunk: about CHUNK_SECONDS of work (one epoch first,
+    to time it), up to the next --checkpoint-every epoch, the last epoch and
+    what fits in --time-limit (the loop stops before a chunk none of fits)."""
+    config = run.config
+    n = min(length, config.epochs - epoch)
+    if progress.per_epoch is None:
+        return 1
+    n = min(n, max(1, int(CHUNK_SECONDS / progress.per_epoch)))
+    if config.checkpoint_every:
+        n = min(n, config.checkpoint_every - epoch % config.checkpoint_every)
+    time_limit = getattr(args, 'time_limit', None)
+    if time_limit is not None:
+        left = time_limit - (time.time() - run.wall_start)
+        n = min(n, max(1, int(left / progress.per_epoch)))
+    return devices.from_process_0(n)  # every process runs the same chunks
+
+
+
+def _epoch_loop(run, phases, state, args, prog):
+    """Epochs start_epoch+1 .. config.epochs in chunks: metrics, checkpoints,
+    the NaN guard, Ctrl-C and --time-limit at chunk boundaries. Returns the
+    last epoch's metrics."""
     config = run.config
     # The checkpoint decides: drop lines of epochs after it (they are redone).
     if devices.is_writer():
         rundir.atomic_write_bytes(run.metrics_path, b''.join(
             (json.dumps(record) + '\n').encode() for record in run.history))
-    last = {}
+    last, epoch = {}, run.start_epoch
     progress = _Progress(run)
-    with _Interrupt() as interrupt, \
+    with _Interrupt() as interrupt, _Saver(run) as saver, \
             rundir.Summaries(run.output_dir, run.runs, run.run_config, run.history,
                       enabled=getattr(args, 'tensorboard', True) and devices.is_writer()) as summaries:
-        for epoch in range(run.start_epoch + 1, config.epochs + 1):
-            epoch_start = time.time()
-            state, metrics = _run_epoch(run, phases, state)
-            bad = [name for name, values in metrics.items()
-                   if name.startswith('metrics/') and not np.all(np.isfinite(values))]
-            if bad or not np.all(devices.gather(finite(run.hp, state))):
-                what = ', '.join(bad) if bad else 'network parameters'
-                _fail(prog, f'non-finite {what} in epoch {epoch}; stopped, the checkpoint '
-                            f'of epoch {epoch - 1} in {run.output_dir} is kept', status=1)
-            records = rundir.metric_records(epoch, metrics, run.runs)
+        while epoch < config.epochs:
+            n = _chunk_size(run, phases['length'], progress, epoch, args)
+            state, epochs, finite = _run_chunk(run, phases, state, epoch, n)
+            _nan_guard(epochs, finite, saver, run.output_dir, prog)
+            records = [record for number, metrics in epochs
+                       for record in rundir.metric_records(number, metrics, run.runs)]
             run.history.extend(records)
             # Metrics first, then the checkpoint: a crash between the two leaves
-            # lines of an epoch the resumed run recomputes identically.
+            # lines of epochs the resumed run recomputes identically.
             if devices.is_writer():
                 rundir.write_jsonl(run.metrics_path, records)
                 summaries.write(records)
+            epoch, last = epochs[-1]
+            progress.update(epoch, epochs)
             interrupted = devices.any_process(interrupt.requested)  # all processes stop together
             out_of_time = progress.out_of_time(epoch, getattr(args, 'time_limit', None))
-            if epoch % config.checkpoint_every == 0 or epoch == config.epochs or interrupted \
-                    or out_of_time:
-                whole_state = devices.gather(state)  # every process takes part
-                if devices.is_writer():
-                    rundir.save_checkpoint(run.checkpoint_path, whole_state,
-                                    {'config': run.run_config, 'epoch': epoch},
-                                    previous=run.previous_path)
-            last = metrics
-            line = progress.line(epoch, metrics, time.time() - epoch_start)
+            every = config.checkpoint_every
+            if (epoch % every == 0 if every else saver.due()) or epoch == config.epochs \
+                    or interrupted or out_of_time:
+                saver.save(state, epoch)
             if not args.quiet and devices.is_writer():
-                print(line, flush=True)
+                print(progress.line(epoch, last), flush=True)
             if interrupted:
+                saver.wait()
                 if devices.is_writer():
                     print(f'interrupted after epoch {epoch}; rerun with --output-dir '
                           f'{run.output_dir} to resume', file=sys.stderr)
@@ -459,13 +490,90 @@ def _epoch_loop(run, phases, finite, state, args, prog):
     return last
 
 
+def _nan_guard(epochs, finite, saver, output_dir, prog):
+    """Stop at the first epoch of the chunk with a non-finite loss or parameter."""
+    for (epoch, metrics), params_finite in zip(epochs, finite):
+        bad = [name for name, values in metrics.items()
+               if name.startswith('metrics/') and not np.all(np.isfinite(values))]
+        if bad or not np.all(params_finite):
+            saver.wait()
+            what = ', '.join(bad) if bad else 'network parameters'
+            kept = (f'the checkpoint of epoch {saver.saved_epoch} in {output_dir} is kept'
+                    if saver.saved_epoch else f'no checkpoint was saved in {output_dir}')
+            _fail(prog, f'non-finite {what} in epoch {epoch}; stopped, {kept}', status=1)
+
+
+class _Saver:
+    """Checkpoints off the hot path: the state is copied to the host, then a
+    background thread writes the file (atomically, as rundir.save_checkpoint
+    does) while the next chunk runs. One save in flight at a time; an error
+    in the thread is raised in the driver at the next save or at the end."""
+
+    def __init__(self, run):
+        self.run, self.thread, self.error = run, None, None
+        self.saved_epoch, self.saved_at = run.start_epoch, time.time()
+
+    def due(self):
+        """Has CHECKPOINT_SECONDS passed since the last save? (process 0's clock)"""
+        return bool(devices.from_process_0(
+            int(time.time() - self.saved_at >= CHECKPOINT_SECONDS)))
+
+    def save(self, state, epoch):
+        whole_state = devices.gather(state)  # every process takes part
+        self.wait()
+        self.saved_at = time.time()
+        if devices.is_writer():
+            self.thread = threading.Thread(target=self._write, args=(whole_state, epoch))
+            self.thread.start()
+
+    def _write(self, whole_state, epoch):
+        try:
+            rundir.save_checkpoint(self.run.checkpoint_path, whole_state,
+                                   {'config': self.run.run_config, 'epoch': epoch},
+                                   previous=self.run.previous_path)
+            self.saved_epoch = epoch
+        except BaseException as error:  # noqa: B902 (re-raised in the driver)
+            self.error = error
+
+    def wait(self):
+        """Block until the save in flight is on disk; raise its error, if any."""
+        if self.thread is not None:
+            self.thread.join()
+            self.thread = None
+        if self.error is not None:
+            error, self.error = self.error, None
+            raise error
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        if exc[0] is None:
+            self.wait()
+        elif self.thread is not None:  # let the file be whole; the first error wins
+            self.thread.join()
+        return False
+
+
 class _Progress:
-    """The per-epoch line's state: each run's most recent return, the time left."""
+    """The progress line's state: each run's most recent return and evaluation
+    figures, the mean epoch time (which sizes the chunks) and the time left."""
 
     def __init__(self, run):
         self.recent = recent_returns(run.history, len(run.runs))
+        self.recent_eval = {}
         self.first, self.epochs, self.start = run.start_epoch, run.config.epochs, time.time()
         self.wall_start = run.wall_start
+        self.per_epoch = None  # mean seconds per epoch so far (None: none run yet)
+
+    def update(self, epoch, epochs):
+        """After a chunk: its returns and evaluations, the mean epoch time."""
+        self.per_epoch = (time.time() - self.start) / (epoch - self.first)
+        for _, metrics in epochs:
+            returns = metrics['rl/avg_return']
+            self.recent = np.where(np.isfinite(returns), returns, self.recent)
+            self.recent_eval.update({name: values for name, values in metrics.items()
+                                     if name.startswith('rl/avg_return_temperature')})
 
     def out_of_time(self, epoch, time_limit):
         """Would another epoch end past `time_limit` seconds from the start?
@@ -473,15 +581,14 @@ class _Progress:
         if time_limit is None:
             return False
         now = time.time()
-        per_epoch = (now - self.start) / (epoch - self.first)
-        return bool(devices.from_process_0(int(now - self.wall_start + per_epoch > time_limit)))
+        return bool(devices.from_process_0(
+            int(now - self.wall_start + self.per_epoch > time_limit)))
 
-    def line(self, epoch, metrics, seconds):
-        returns = metrics['rl/avg_return']
-        self.recent = np.where(np.isfinite(returns), returns, self.recent)
-        per_epoch = (time.time() - self.start) / (epoch - self.first)
-        return epoch_line(epoch, self.epochs, metrics, self.recent, seconds,
-                          per_epoch * (self.epochs - epoch))
+    def line(self, epoch, metrics):
+        metrics = {**metrics, **self.recent_eval}  # the latest evaluation, if not this epoch's
+        return epoch_line(epoch, self.epochs, metrics, self.recent, metrics['timing/epoch'][0],
+                          self.per_epoch * (self.epochs - epoch))
+
 
 
 def _finish(run, args):

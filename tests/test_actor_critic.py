@@ -453,7 +453,7 @@ def test_sde_weights_are_held_for_sde_sample_freq_steps(freq, blocks):
     env's steps (0: the whole epoch's rollout), fresh across blocks and envs."""
     config = ac_config(env='PgProbe-BoxTarget', policy_loss='ppo', max_steps=None,
                        n_trajectories_per_epoch=None, n_envs=2, n_interactions_per_epoch=16,
-                       hidden_sizes=(4,), state_dependent_exploration=True,
+                       hidden_sizes=(16,), state_dependent_exploration=True,
                        sde_sample_freq=freq)
     agent = ac.make_agent(config)
     hp = single_hp(config)
@@ -495,10 +495,10 @@ def test_ppo_settings_solve_catch():
 def test_value_network_learns_the_image_probe_through_the_conv_torso():
     """A2C's value network, conv torso: V = +1 or -1 by the lit channel, at every cell."""
     probe_envs.register()
-    config = ac_config(env=probe_envs.IMAGE_PROBE, epochs=20, n_trajectories_per_epoch=32,
+    config = ac_config(env=probe_envs.IMAGE_PROBE, epochs=30, n_trajectories_per_epoch=32,
                        max_steps=None, hidden_sizes=(16,), conv_channels=(4,),
                        advantage_estimator='monte_carlo', value_train_steps_per_epoch=20,
-                       value_lr=0.01, gamma=0.9)
+                       value_lr=0.005, gamma=0.9)
     cells = jnp.arange(25)
     obs = jnp.concatenate([jax.vmap(probe_envs.image_observation, (0, None))(cells, 1.0),
                            jax.vmap(probe_envs.image_observation, (0, None))(cells, -1.0)])

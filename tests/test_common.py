@@ -717,5 +717,3 @@ def test_import_common_does_not_import_gymnax():
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == 'ok'
-
-

@@ -818,7 +818,7 @@ def test_cartpole_learns(cartpole_run):
     assert [r['rl/n_interactions'] for r in records] == [
         CARTPOLE_STEPS * e for e in range(1, CARTPOLE_EPOCHS + 1)]
     for key in ('rl/avg_return', 'rl/n_interactions_per_second', 'rl/n_trajectories',
-                'timing/collect', 'timing/train', 'metrics/value_loss',
+                'timing/epoch', 'timing/since_start', 'metrics/value_loss',
                 'metrics/value_mean', 'metrics/returns_mean', 'metrics/exploration_rate'):
         assert key in records[0], key
 

@@ -639,9 +639,10 @@ def test_defaults_solve_cartpole(tmp_path, cache):
     assert summary['algorithm'] == 'pg' and summary['final_eval_key'] == key
     assert summary['final_eval_return'][0] >= 475
     records = read_metrics(out)
-    assert records[0][key] < 200  # it learned, it did not start there
+    evaluated = [record for record in records if key in record]
+    assert evaluated[0][key] < 200  # it learned, it did not start there
     assert {'rl/avg_return', 'rl/n_interactions', 'rl/n_trajectories', 'metrics/policy_loss',
-            'metrics/entropy', 'timing/collect'} <= set(records[-1])
+            'metrics/entropy', 'timing/epoch'} <= set(records[-1])
 
 
 @pytest.mark.parametrize('argv, message', [

@@ -30,11 +30,13 @@ from harness import rundir  # noqa: E402
 SMALL = {
     'dqn': ['--n-envs', '4', '--n-interactions-per-epoch', '64', '--train-steps-per-epoch', '1024',
             '--batch-size', '32', '--n-eval-episodes', '2', '--eval-steps', '40',
-            '--n-replay-epochs', '3', '--hidden-sizes', '16'],
+            '--n-replay-epochs', '3', '--hidden-sizes', '16', '--checkpoint-every', '1'],
     'pg': ['--n-trajectories-per-epoch', '4', '--n-interactions-per-epoch', 'none',
            '--max-steps', '40', '--train-steps-per-epoch', '256', '--n-eval-episodes', '2',
-           '--eval-steps', '40', '--hidden-sizes', '16'],
+           '--eval-steps', '40', '--hidden-sizes', '16', '--checkpoint-every', '1'],
 }
+# (--checkpoint-every 1: a checkpoint, a chunk and a progress line every epoch,
+# so kills and signals land between epochs of a run of a few seconds.)
 ALGOS = sorted(SMALL)
 IGNORED = ('timing/', 'rl/n_interactions_per_second')
 
@@ -594,7 +596,7 @@ def assert_events_match_metrics(out, n_epochs):
         assert [r['epoch'] for r in mine] == list(range(1, n_epochs + 1))
         tags = {tag for r in mine for tag, value in r.items()
                 if value is not None and tag not in ('epoch', 'run', *run)}
-        assert {'rl/avg_return', 'rl/n_interactions', 'timing/collect', 'timing/train',
+        assert {'rl/avg_return', 'rl/n_interactions', 'timing/epoch', 'timing/since_start',
                 'metrics/value_loss', 'rl/avg_return_temperature0.00_steps40'} <= tags
         assert set(scalars) == tags
         for tag in tags:
@@ -668,3 +670,43 @@ def test_output_dir_lock_in_process(tmp_path):
                 pass
     with rundir.output_dir_lock(str(tmp_path)):
         pass
+
+
+def _without_checkpoint_every(argv):
+    index = argv.index('--checkpoint-every')
+    return argv[:index] + argv[index + 2:]
+
+
+@pytest.mark.parametrize('seconds, saved', [(1e9, [5]), (0.0, [1, 2, 3, 4, 5])])
+def test_checkpoints_follow_the_wall_clock_from_a_background_thread(seconds, saved, cache_dir,
+                                                                    tmp_path, monkeypatch):
+    """Without --checkpoint-every a checkpoint is due every CHECKPOINT_SECONDS
+    (and at the last epoch), written by a thread other than the driver's."""
+    import threading
+    import dqn
+    writes = []
+    save = rundir.save_checkpoint
+
+    def recording_save(path, state, metadata, previous=None):
+        writes.append((metadata['epoch'], threading.current_thread() is threading.main_thread()))
+        save(path, state, metadata, previous)
+    monkeypatch.setattr(rundir, 'save_checkpoint', recording_save)
+    monkeypatch.setattr(cli, 'CHECKPOINT_SECONDS', seconds)
+    monkeypatch.setattr(cli, 'CHUNK_SECONDS', 0.0)  # a chunk per epoch
+    out = str(tmp_path / 'run')
+    dqn.main([*_without_checkpoint_every(SMALL['dqn']), '--epochs', '5', '--quiet',
+              '--output-dir', out, '--compile-cache', cache_dir, '--no-tensorboard'])
+    assert writes == [(epoch, False) for epoch in saved]
+    assert rundir.read_checkpoint_metadata(os.path.join(out, 'checkpoint.npz'))['epoch'] == 5
+
+
+def test_an_error_in_the_checkpoint_thread_reaches_the_driver(cache_dir, tmp_path, monkeypatch):
+    import errno
+    import dqn
+
+    def failing_save(path, state, metadata, previous=None):
+        raise OSError(errno.ENOSPC, 'No space left on device')
+    monkeypatch.setattr(rundir, 'save_checkpoint', failing_save)
+    with pytest.raises(OSError, match='No space left'):
+        dqn.main([*SMALL['dqn'], '--epochs', '2', '--quiet', '--output-dir',
+                  str(tmp_path / 'run'), '--compile-cache', cache_dir, '--no-tensorboard'])
