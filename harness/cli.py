@@ -439,7 +439,6 @@ def _chunk_size(run, length, progress, epoch, args):
     return devices.from_process_0(n)  # every process runs the same chunks
 
 
-
 def _epoch_loop(run, phases, state, args, prog):
     """Epochs start_epoch+1 .. config.epochs in chunks: metrics, checkpoints,
     the NaN guard, Ctrl-C and --time-limit at chunk boundaries. Returns the

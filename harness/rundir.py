@@ -251,12 +251,14 @@ def plot_learning_curves(history, agent, env_name, path):
               for t, h in agent.eval_tags]
     for name, label in names:
         values = table(name)
-        if np.all(np.isnan(values)):
+        recorded = ~np.all(np.isnan(values), axis=1)  # evaluations: every --eval-every epochs
+        if not np.any(recorded):
             continue
+        values, at = values[recorded], steps[recorded]
         with np.errstate(all='ignore'), __import__('warnings').catch_warnings():
             __import__('warnings').simplefilter('ignore')
-            axis.plot(steps, np.nanmean(values, axis=1), label=label)
-            axis.fill_between(steps, np.nanmin(values, axis=1), np.nanmax(values, axis=1),
+            axis.plot(at, np.nanmean(values, axis=1), label=label)
+            axis.fill_between(at, np.nanmin(values, axis=1), np.nanmax(values, axis=1),
                               alpha=0.2)
     axis.set_xlabel('env steps per run')
     axis.set_ylabel('return')

@@ -292,6 +292,8 @@ def plot(rows, path):
         for row in (r for r in rows if r['env'] == env):
             curve = np.asarray(row['curve'], float)
             steps = np.asarray(row['curve_steps'])
+            evaluated = ~np.all(np.isnan(curve), axis=1)  # every --eval-every epochs
+            curve, steps = curve[evaluated], steps[evaluated]
             label = row['algo'] + (f' ({row["mode"]})' if row.get('mode') else '')
             line, = axis.plot(steps, np.nanmean(curve, axis=1), label=label)
             axis.fill_between(steps, np.nanmin(curve, axis=1), np.nanmax(curve, axis=1),
