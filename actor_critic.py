@@ -86,7 +86,8 @@ class Config:
                                     bounds='[0, 1]')
     added_policy_slice_length: int = common.option(
         32, 'the estimators\' margin: how many steps past a step its advantage looks '
-        '(td_k: k); Trax: 0, with which td_lambda and gae give 0', bounds='[0, inf)')
+        '(td_k: k); at least the rows\' length, gae and td_lambda run over the whole row '
+        'in one pass; Trax: 0, with which td_lambda and gae give 0', bounds='[0, inf)')
     epsilon: float = common.option(0.2, 'ppo: clip the ratio to [1 - this, 1 + this] '
                                    '(Trax: 0.2)', sweep=True, bounds='(0, inf)')
     advantage_normalization_factor: float = common.option(
@@ -257,6 +258,39 @@ def step_advantages(estimator, margin, monte_carlo, gamma, reward, done, valid, 
     advantages = estimator(rewards, slice_returns, slice_values, dones, live)
     chex.assert_shape(advantages, (length, 1))
     return advantages[:, 0]
+
+
+def whole_row_advantages(estimator, reward, done, valid, values, last_value):
+    """step_advantages for a lambda estimator (gae, td_lambda) whose margin
+    reaches past the row's end from every step (margin >= T): one backward
+    pass over the row, O(T) instead of O(T * margin).
+
+    Past the row's end a slice has reward 0, value V(last_obs) and no
+    discount, so its lambda recursion returns exactly what it is given there
+    (gae: 0, td_lambda: V(last_obs)); a slice's cut at an episode's end is the
+    recursion's own `done` (it multiplies the future by 0). So every slice's
+    first step is this pass's value at that step, bitwise (tested).
+    `estimator` is built with margin 0; inputs as step_advantages'.
+    """
+    chex.assert_rank([reward, done, valid, values, last_value], [1, 1, 1, 1, 0])
+    chex.assert_equal_shape([reward, done, valid, values])
+
+    def row(x, fill):  # one position past the row's end
+        return jnp.concatenate([x, jnp.asarray(fill, x.dtype)[None]])[None]
+
+    reward = jnp.where(valid, reward, 0.0)
+    advantages = estimator(row(reward, 0.0), jnp.zeros_like(row(values, 0.0)),
+                           row(values, last_value), row(done & valid, False), row(valid, False))
+    return advantages[0, :reward.shape[0]]
+
+
+def row_estimator(name, gamma, margin, lambda_, length):
+    """One env's row of `length` steps -> each step's advantage: Trax's slices
+    (step_advantages), or one pass over the row where that is the same."""
+    if name in ('gae', 'td_lambda') and margin >= length:
+        return functools.partial(whole_row_advantages, make_estimator(name, gamma, 0, lambda_))
+    return functools.partial(step_advantages, make_estimator(name, gamma, margin, lambda_),
+                             margin, name == 'monte_carlo', gamma)
 
 
 def normalized_advantages(adv, weight, factor, epsilon):
@@ -450,9 +484,8 @@ def advantages_of(spec, hp, value_params, rollout):
     reward = bootstrapped_rewards(rollout.reward, rollout.terminated, rollout.truncated,
                                   final_values, hp['gamma'])
     done = rollout.terminated | rollout.truncated
-    row_advantages = functools.partial(
-        step_advantages, make_estimator(spec.estimator, hp['gamma'], spec.margin, hp['lambda_']),
-        spec.margin, spec.estimator == 'monte_carlo', hp['gamma'])
+    row_advantages = row_estimator(spec.estimator, hp['gamma'], spec.margin, hp['lambda_'],
+                                   reward.shape[1])
     adv = jax.vmap(row_advantages)(reward, done, rollout.valid, values, last_values)
     return adv, values
 

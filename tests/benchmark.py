@@ -38,7 +38,7 @@ PUREJAXRL_PPO = ('--n-envs 4 --n-interactions-per-epoch 512 --epochs 976 '
                  '--train-steps-per-epoch 16 --batch-size 128 --value-train-steps-per-epoch 16 '
                  '--value-batch-size 128 --lr 1e-4 --value-lr 1e-3 --entropy-coeff 0.01 '
                  '--max-grad-norm 0.5 --lambda 0.95 --epsilon 0.2 --adam-b1 0.9 --adam-b2 0.999 '
-                 '--adam-eps 1e-5 --advantage-estimator gae --added-policy-slice-length 127')
+                 '--adam-eps 1e-5 --advantage-estimator gae --added-policy-slice-length 128')
 CASES = {  # name: (script, flags)
     'dqn-cartpole': ('dqn', ''),
     'ppo-cartpole': ('actor_critic', ''),

@@ -5,6 +5,7 @@ CartPole-v1 learning, the defaults' PPO, the per-env settings and bad input.
 Module-level pieces are called with `agent.spec`; nothing is monkey-patched."""
 
 import dataclasses
+import functools
 import json
 import os
 import sys
@@ -118,6 +119,35 @@ def test_truncation_bootstraps_and_termination_does_not():
     # gae equals td_lambda on the same slices (Trax's table: td_lambda = gae).
     np.testing.assert_allclose(row_advantages('gae', 5, 0.7, ROW),
                                row_advantages('td_lambda', 5, 0.7, ROW), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize('name', ['gae', 'td_lambda'])
+@pytest.mark.parametrize('extra', [0, 5])
+def test_one_pass_over_the_row_is_every_slice_bitwise(name, extra):
+    """With a margin reaching past the row's end from every step, the one
+    backward pass (row_estimator's fast path) gives Trax's slices' advantages
+    bit for bit: rows with terminations, truncations (bootstrap in the
+    reward), uncollected steps after an episode's end, and value outliers."""
+    key = jax.random.PRNGKey(3)
+    rows, length = 64, 20
+    k = jax.random.split(key, 5)
+    reward = jax.random.normal(k[0], (rows, length)) * 3
+    done = jax.random.uniform(k[1], (rows, length)) < 0.15
+    first_invalid = jax.random.randint(k[2], (rows, 1), length // 2, length + 8)
+    valid = jnp.arange(length)[None] < first_invalid
+    values = jax.random.normal(k[3], (rows, length)) * 10
+    last = jax.random.normal(k[4], (rows,)) * 10
+    margin = length + extra
+    fast = ac.row_estimator(name, 0.97, margin, 0.9, length)
+    slices = functools.partial(ac.step_advantages, ac.make_estimator(name, 0.97, margin, 0.9),
+                               margin, False, 0.97)
+    assert isinstance(fast, functools.partial) and fast.func is ac.whole_row_advantages
+    got = jax.jit(jax.vmap(fast))(reward, done, valid, values, last)
+    want = jax.jit(jax.vmap(slices))(reward, done, valid, values, last)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    # A margin one short of the row is not the same for the first step.
+    short = ac.row_estimator(name, 0.97, length - 1, 0.9, length)
+    assert short.func is ac.step_advantages
 
 
 # pg.py's defaults, which these small configs were written against (the
