@@ -1,4 +1,4 @@
-"""A2C and PPO after Trax's actor_critic.py (`AdvantageBasedActorCriticAgent`), in pure JAX.
+"""A2C, PPO and AWR after Trax's actor_critic.py (`AdvantageBasedActorCriticAgent`), in pure JAX.
 
 One epoch = collect (temperature 1, gymnax envs, rows of steps per env) ->
 train -> evaluation at each (temperature, horizon). Training follows Trax's
@@ -8,19 +8,25 @@ the chosen estimator's advantage (common.py's `monte_carlo`, `td_k`,
 `td_lambda`, `gae`) over a target copy synced before the first and after each
 of `--value-evals-per-epoch` chunks; then the policy, on advantages from the
 trained value network normalised per minibatch, with the A2C loss
-`-mean(log pi * A)` or PPO's clipped ratio, minus `--entropy-coeff` times the
-entropy, over passes of minibatches of the epoch's steps. Every step trains in
-the epoch it was collected: an episode still running at the end of its row
+`-mean(log pi * A)`, PPO's clipped ratio or AWR's
+`-mean(log pi * min(exp(A / beta), w_max))`, minus `--entropy-coeff` times the
+entropy, over passes of minibatches. A2C and PPO train on the epoch's steps;
+AWR, off-policy, on the last `--n-replay-epochs` epochs' (Trax's replay), each
+epoch's rows kept as collected and their advantages recomputed with the
+current value network. An episode still running at the end of its row
 bootstraps from V of its current observation, a time-limit truncation from V
 of the true final observation, a termination from nothing.
 
 The defaults are PPO's (GAE, 2048 steps per epoch from 16 envs, minibatch
 passes, Adam 0.9/0.999, gradients clipped at norm 0.5): `python
-actor_critic.py` solves CartPole-v1 on every seed. Trax's values are in each
-flag's help; history and tuning notes are in docs/actor_critic.md.
+actor_critic.py` solves CartPole-v1 on every seed. `--policy-loss awr` brings
+AWR's own settings (AWR_SETTINGS, listed by `--policy-loss awr --help`).
+Trax's values are in each flag's help; history and tuning notes are in
+docs/actor_critic.md.
 
     python actor_critic.py --num-seeds 8              # CartPole-v1, greedy 500
     python actor_critic.py --env Pendulum-v1 --num-seeds 8    # the env's settings
+    python actor_critic.py --policy-loss awr --num-seeds 8    # AWR's settings
     python actor_critic.py --policy-loss a2c --advantage-estimator td_lambda
 """
 
@@ -37,7 +43,7 @@ import optax
 import common
 
 
-POLICY_LOSSES = ('a2c', 'ppo')
+POLICY_LOSSES = ('a2c', 'ppo', 'awr')
 ESTIMATORS = ('monte_carlo', 'td_k', 'td_lambda', 'gae')
 
 
@@ -78,7 +84,11 @@ class Config:
     entropy_coeff: float = common.option(
         0.01, 'loss -= this * mean policy entropy (Trax: 0.01)', sweep=True, bounds='[0, inf)')
     policy_loss: str = common.option(
-        'ppo', 'a2c or ppo (Trax A2C, PPO); REINFORCE is pg.py', choices=POLICY_LOSSES)
+        'ppo', 'a2c, ppo or awr (Trax A2C, PPO, AWR); REINFORCE is pg.py. awr brings its own '
+        'settings (--policy-loss awr --help lists them)', choices=POLICY_LOSSES)
+    n_replay_epochs: int = common.option(
+        1, 'the value and policy passes train on the last this many epochs\' steps (Trax: 1; '
+        'more only for the off-policy awr, as Trax asserts)', bounds='[1, inf)')
     advantage_estimator: str = common.option(
         'gae', 'monte_carlo, td_k, td_lambda or gae over the value network (Trax: td_lambda)',
         choices=ESTIMATORS)
@@ -90,6 +100,12 @@ class Config:
         'in one pass; Trax: 0, with which td_lambda and gae give 0', bounds='[0, inf)')
     epsilon: float = common.option(0.2, 'ppo: clip the ratio to [1 - this, 1 + this] '
                                    '(Trax: 0.2)', sweep=True, bounds='(0, inf)')
+    beta: float = common.option(
+        1.0, 'awr: the temperature of the weights exp(A / beta), A normalised (Trax: 1)',
+        sweep=True, bounds='(0, inf)', aliases=('--awr-beta',))
+    w_max: float = common.option(
+        20.0, 'awr: each weight is capped at this (Trax: 20)', sweep=True, bounds='(0, inf)',
+        aliases=('--awr-max-weight',))
     advantage_normalization_factor: float = common.option(
         1.0, 'normalised advantages are multiplied by this (Trax: 1)', sweep=True)
     advantage_normalization_epsilon: float = common.option(
@@ -146,9 +162,10 @@ class Config:
 
 
 class Rollout(NamedTuple):
-    """The epoch's steps as rows [n_envs, steps] (time in order), each trained
-    in the epoch it was collected: an episode still running at the end of the
-    rows bootstraps from V(last_obs)."""
+    """An epoch's steps as rows [n_envs, steps] (time in order): an episode
+    still running at the end of its row bootstraps from V(last_obs). In the
+    state, the last n_replay_epochs epochs' rollouts stacked, [n_replay_epochs,
+    n_envs, steps, ...]."""
     obs: jax.Array
     action: jax.Array  # as sampled (a Box action unclipped), for its log-prob
     reward: jax.Array
@@ -175,7 +192,9 @@ class State(NamedTuple):
     value_opt_state: tuple
     target_value_params: list  # the copy the value targets are computed with
     value_train_step: jax.Array
-    rollout: Rollout  # the epoch's rows
+    # The replay: the last n_replay_epochs epochs' rollouts, a ring (epoch e
+    # in slot e % n_replay_epochs); slots not yet collected are all invalid.
+    replay: Rollout
 
 
 # ---------------------------------------------------------------------------
@@ -322,6 +341,22 @@ def ppo_loss(log_probs, old_log_probs, adv, weight, epsilon):
     return -masked_mean(objective, weight)
 
 
+def awr_weights(adv, beta, w_max):
+    """AWR's regression weights min(exp(A / beta), w_max) (Trax's `awr_weights`
+    without its percentile `thresholds`); constants to the loss. exp may
+    overflow to inf, which the cap turns into w_max."""
+    return jnp.minimum(jnp.exp(jax.lax.stop_gradient(adv) / beta), w_max)
+
+
+def awr_loss(log_probs, adv, weight, beta, w_max):
+    """Trax's AWRLoss (Peng et al. 2019, advantage-weighted regression):
+    -sum(w log pi(a|s) min(exp(A / beta), w_max)) / sum(w). The behaviour
+    policy's log-probs play no part, so it trains on replayed epochs."""
+    chex.assert_rank(log_probs, 1)
+    chex.assert_equal_shape([log_probs, adv, weight])
+    return -masked_mean(log_probs * awr_weights(adv, beta, w_max), weight)
+
+
 def value_loss(predictions, targets, weight):
     """Trax's L2Loss: sum(w (V(s) - target)^2) / sum(w); targets are constants."""
     chex.assert_rank(predictions, 1)
@@ -375,8 +410,9 @@ def clip_by_global_norm(grads, max_norm):
 
 
 def flat(x):
-    """[n_envs, steps, ...] rows -> [n_envs * steps, ...] steps."""
-    return x.reshape((-1,) + x.shape[2:])
+    """[n_replay_epochs, n_envs, steps, ...] replayed rows -> [epochs * n_envs *
+    steps, ...] steps."""
+    return x.reshape((-1,) + x.shape[3:])
 
 
 # ---------------------------------------------------------------------------
@@ -440,25 +476,26 @@ def init(spec, key, hp):
     value_key, key = jax.random.split(key)
     value_params = common.init_network(value_key, policy.obs_shape, policy.hidden_sizes, 1,
                                        policy.torso, policy.conv_channels, last_scale=0.01)
-    rows = lambda shape, dtype: jnp.zeros((spec.n_envs, spec.steps) + shape, dtype)
+    slots = (spec.config.n_replay_epochs, spec.n_envs)
+    rows = lambda shape, dtype: jnp.zeros(slots + (spec.steps,) + shape, dtype)
     obs_dtype = policy.obs_dtype
     action_dtype = jnp.int32 if policy.kind == 'discrete' else jnp.float32
-    rollout = Rollout(obs=rows(policy.obs_shape, obs_dtype),
-                      action=rows(policy.action_shape, action_dtype),
-                      reward=rows((), jnp.float32), terminated=rows((), bool),
-                      truncated=rows((), bool), final_obs=rows(policy.obs_shape, obs_dtype),
-                      valid=rows((), bool),
-                      last_obs=jnp.zeros((spec.n_envs,) + policy.obs_shape, obs_dtype))
+    replay = Rollout(obs=rows(policy.obs_shape, obs_dtype),
+                     action=rows(policy.action_shape, action_dtype),
+                     reward=rows((), jnp.float32), terminated=rows((), bool),
+                     truncated=rows((), bool), final_obs=rows(policy.obs_shape, obs_dtype),
+                     valid=rows((), bool),  # all invalid: nothing collected yet
+                     last_obs=jnp.zeros(slots + policy.obs_shape, obs_dtype))
     return State(params=params, opt_state=optimizer(spec, hp).init(params),
                  env_state=env_state, obs=obs, episode_return=jnp.zeros(spec.n_envs), key=key,
                  eval_key=eval_key, epoch=zero, train_step=zero, n_interactions=zero, n_trajectories=zero,
                  value_params=value_params,
                  value_opt_state=value_optimizer(spec, hp).init(value_params),
-                 target_value_params=value_params, value_train_step=zero, rollout=rollout)
+                 target_value_params=value_params, value_train_step=zero, replay=replay)
 
 
 def collect(spec, hp, state):
-    """One epoch of temperature-1 experience into `state.rollout`."""
+    """One epoch of temperature-1 experience into its slot of `state.replay`."""
     key, carry, rec = common.collect_rollout(spec.policy, state, spec.n_envs, spec.steps,
                                              spec.fresh_episodes, final_obs=True)
     # An episode cut by the row's end in n_trajectories mode (only if the
@@ -470,13 +507,18 @@ def collect(spec, hp, state):
                       terminated=rec['terminated'] & rec['valid'],
                       truncated=truncated & rec['valid'], final_obs=rec['final_obs'],
                       valid=rec['valid'], last_obs=carry[0])
+    slot = state.epoch % spec.config.n_replay_epochs  # overwrites the oldest epoch's
+    replay = jax.tree.map(lambda buffer, new: buffer.at[slot].set(new), state.replay, rollout)
     state, metrics = common.finish_collect(state, key, carry, rec, spec.fresh_episodes)
-    return state._replace(rollout=rollout), metrics
+    return state._replace(replay=replay), metrics
 
 
-def advantages_of(spec, hp, value_params, rollout):
-    """(advantages, values), each [n_envs, steps]: the estimator over the
-    value network `value_params`, one env's row at a time."""
+def advantages_of(spec, hp, value_params, replay):
+    """(advantages, values), each [n_replay_epochs, n_envs, steps]: the
+    estimator over the value network `value_params`, one env's row of one
+    epoch at a time (each row bootstraps from its own last_obs)."""
+    shape = replay.reward.shape
+    rollout = jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:]), replay)  # rows
     scale = value_scale(spec, hp)
     values = scale * value_net(spec, value_params, rollout.obs)
     final_values = scale * value_net(spec, value_params, rollout.final_obs)
@@ -487,17 +529,20 @@ def advantages_of(spec, hp, value_params, rollout):
     row_advantages = row_estimator(spec.estimator, hp['gamma'], spec.margin, hp['lambda_'],
                                    reward.shape[1])
     adv = jax.vmap(row_advantages)(reward, done, rollout.valid, values, last_values)
-    return adv, values
+    return adv.reshape(shape), values.reshape(shape)
 
 
 def minibatches(spec, key, weight, n_steps, batch_size):
     """-> step index -> that step's minibatch of indices (None: every step).
-    Every pass's order is drawn up front where every step is weighted (the
-    n_interactions mode), so the minibatch steps sort nothing."""
+    Every pass's order is drawn up front where every collected step is
+    weighted (the n_interactions mode), so the minibatch steps sort nothing:
+    as many passes as the fewest weighted steps need, one epoch's (the replay
+    may not be full yet)."""
     if not batch_size:
         return lambda i: None
+    one_epoch = spec.n_envs * spec.steps
     orders = (None if spec.fresh_episodes
-              else pass_orders(key, weight, passes_needed(n_steps, batch_size, weight.shape[0])))
+              else pass_orders(key, weight, passes_needed(n_steps, batch_size, one_epoch)))
     return lambda i: minibatch_indices(key, weight, batch_size, i, orders)
 
 
@@ -517,9 +562,9 @@ def value_chunk(spec, hp, state, key):
     """One value trainer chunk: targets V_target(s) + A from the target
     network (fixed through the chunk), value_chunk_steps steps of L2 on
     target / scale, then the target network is synced to the trained one."""
-    adv, values = advantages_of(spec, hp, state.target_value_params, state.rollout)
-    weight = flat(state.rollout.valid).astype(jnp.float32)
-    obs, targets = flat(state.rollout.obs), flat(values + adv) / value_scale(spec, hp)
+    adv, values = advantages_of(spec, hp, state.target_value_params, state.replay)
+    weight = flat(state.replay.valid).astype(jnp.float32)
+    obs, targets = flat(state.replay.obs), flat(values + adv) / value_scale(spec, hp)
     minibatch = minibatches(spec, key, weight, spec.value_chunk_steps,
                             spec.config.value_batch_size)
     step = functools.partial(value_step, spec, hp, (obs, targets, weight), minibatch)
@@ -533,15 +578,28 @@ def value_chunk(spec, hp, state, key):
                           value_train_step=n, target_value_params=value_params), metrics
 
 
+def awr_metrics(weights, weight):
+    """Trax's awr_weight_mean, _std, _min, _max over the minibatch's weighted steps."""
+    mean = masked_mean(weights, weight)
+    counted = weight > 0
+    return {'metrics/awr_weight_mean': mean,
+            'metrics/awr_weight_std': jnp.sqrt(masked_mean((weights - mean) ** 2, weight)),
+            'metrics/awr_weight_min': jnp.min(jnp.where(counted, weights, jnp.inf)),
+            'metrics/awr_weight_max': jnp.max(jnp.where(counted, weights, -jnp.inf))}
+
+
 def policy_objective(spec, params, batch, hp):
-    """(the A2C or PPO loss minus the entropy bonus, metrics) on a minibatch."""
+    """(the A2C, PPO or AWR loss minus the entropy bonus, metrics) on a minibatch."""
     obs, action, adv, old_log_probs, weight = batch
     log_probs, entropy = common.log_prob_and_entropy(spec.policy, params, obs, action)
     if spec.config.normalize_advantages:  # per minibatch, as Trax's policy loss layer
         adv = normalized_advantages(adv, weight, hp['advantage_normalization_factor'],
                                     hp['advantage_normalization_epsilon'])
     metrics = {}
-    if spec.config.policy_loss == 'ppo':
+    if spec.config.policy_loss == 'awr':
+        policy_loss = awr_loss(log_probs, adv, weight, hp['beta'], hp['w_max'])
+        metrics.update(awr_metrics(awr_weights(adv, hp['beta'], hp['w_max']), weight))
+    elif spec.config.policy_loss == 'ppo':
         policy_loss = ppo_loss(log_probs, old_log_probs, adv, weight, hp['epsilon'])
         ratio = jnp.exp(log_probs - old_log_probs)
         metrics['metrics/clip_fraction'] = masked_mean(
@@ -568,14 +626,16 @@ def policy_step(spec, hp, data, minibatch, state, i):
 
 def policy_chunks(spec, hp, state, key):
     """train_steps_per_epoch policy steps (evals_per_epoch chunks) on the
-    epoch's steps, advantages from the value network just trained."""
-    adv, _ = advantages_of(spec, hp, state.value_params, state.rollout)
-    weight = flat(state.rollout.valid).astype(jnp.float32)
-    obs, action, adv = flat(state.rollout.obs), flat(state.rollout.action), flat(adv)
+    replay's steps, advantages from the value network just trained."""
+    adv, _ = advantages_of(spec, hp, state.value_params, state.replay)
+    weight = flat(state.replay.valid).astype(jnp.float32)
+    obs, action, adv = flat(state.replay.obs), flat(state.replay.action), flat(adv)
     # The collecting policy's log-probs (Trax keeps its dist_inputs in the
-    # trajectory): the policy has not changed since it collected.
-    old_log_probs = jax.lax.stop_gradient(
-        common.log_prob_and_entropy(spec.policy, state.params, obs, action)[0])
+    # trajectory): the policy has not changed since it collected (PPO and A2C
+    # replay one epoch, the latest; AWR does not use them).
+    old_log_probs = (jnp.zeros_like(adv) if spec.config.policy_loss == 'awr' else
+                     jax.lax.stop_gradient(
+                         common.log_prob_and_entropy(spec.policy, state.params, obs, action)[0]))
     data = (obs, action, adv, old_log_probs, weight)
     raw = {'metrics/advantage_mean': masked_mean(adv, weight),
            'metrics/advantage_std': jnp.sqrt(masked_mean(
@@ -695,6 +755,10 @@ def check_config(config: Config):
     if estimator in ('td_k', 'td_lambda', 'gae') and config.added_policy_slice_length < 1:
         raise error(f'--advantage-estimator {estimator} needs --added-policy-slice-length >= 1 '
                     '(with 0 it looks no step ahead: td_k has no k, td_lambda and gae give 0)')
+    if config.n_replay_epochs > 1 and config.policy_loss != 'awr':
+        raise error(f'--n-replay-epochs {config.n_replay_epochs} needs the off-policy '
+                    f'--policy-loss awr: {config.policy_loss} trains on the policy that '
+                    'collected its steps (Trax asserts 1 for it too)')
     if config.value_train_steps_per_epoch % config.value_evals_per_epoch:
         raise error(f'--value-train-steps-per-epoch ({config.value_train_steps_per_epoch}) must '
                     f'be divisible by --value-evals-per-epoch ({config.value_evals_per_epoch})')

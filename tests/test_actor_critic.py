@@ -188,6 +188,11 @@ def hand_rollout():
                       last_obs=jnp.asarray([[0.2, 1.0], [0.9, 1.0]]))
 
 
+def as_replay(rollout):
+    """One epoch's rollout as a replay of n_replay_epochs 1."""
+    return jax.tree.map(lambda x: x[None], rollout)
+
+
 def linear_value(params, obs):
     return np.asarray(obs) @ np.asarray(params[0]['w'])[:, 0] + float(params[0]['b'][0])
 
@@ -205,7 +210,7 @@ def test_value_chunk_regresses_on_target_network_targets_and_syncs_after():
     target = [{'w': jnp.asarray([[-1.0], [2.0]]), 'b': jnp.asarray([0.1])}]
     rollout = hand_rollout()
     # (The fresh optimiser state of init fits these parameters' shapes.)
-    state = state._replace(rollout=rollout, value_params=online, target_value_params=target)
+    state = state._replace(replay=as_replay(rollout), value_params=online, target_value_params=target)
     new_state, _ = ac.value_chunk(agent.spec, hp, state, jax.random.PRNGKey(1))
 
     # The targets by the definitions, with the target network's values.
@@ -248,7 +253,7 @@ def test_train_syncs_the_target_before_value_training_and_after_each_chunk():
     hp = single_hp(config)
     state = agent.init(jax.random.PRNGKey(0), hp)
     stale = jax.tree.map(lambda x: x + 1.0, state.value_params)
-    state = state._replace(rollout=hand_rollout(), target_value_params=stale)
+    state = state._replace(replay=as_replay(hand_rollout()), target_value_params=stale)
     new_state, metrics = agent.train(hp, state)
     for got, want in zip(jax.tree.leaves(new_state.target_value_params),
                          jax.tree.leaves(new_state.value_params)):
@@ -489,7 +494,7 @@ def test_sde_weights_are_held_for_sde_sample_freq_steps(freq, blocks):
     hp = single_hp(config)
     state, _ = agent.collect(hp, agent.init(jax.random.PRNGKey(0), hp))
     mean, _ = common.policy(agent.spec.policy, state.params, jnp.ones(2))
-    noise = np.asarray(state.rollout.action[..., 0] - mean[0])  # [env, step]
+    noise = np.asarray(state.replay.action[0, ..., 0] - mean[0])  # [env, step]
     firsts = []
     for start, stop in blocks:
         block = noise[:, start:stop]
