@@ -9,7 +9,9 @@ against gymnax's published baselines (its README: gymnax-blines, PPO or ES).
 Each row is one process, `python ALGO.py --env ENV --num-seeds N` with no
 other flag, so the table measures what a user gets from the env's settings
 (ENV_SETTINGS in dqn.py / actor_critic.py; a pg row runs actor_critic.py's PPO
-where that file has the env's settings, else pg.py); a MinAtar row instead runs for a wall-time
+where that file has the env's settings, else pg.py; an awr row runs
+`python actor_critic.py --policy-loss awr --env ENV`, AWR's settings with the
+env's AWR entry, e.g. `--envs Pendulum-v1,Catch-bsuite --algos awr`); a MinAtar row instead runs for a wall-time
 budget (--minatar-minutes, 30: `--epochs` past it and `--time-limit`). It writes --out (docs/results.md), its
 rows as JSON beside it (a rerun of some rows keeps the others), and one PNG
 of learning curves, one panel per env (greedy return: mean line, min-max
@@ -157,10 +159,19 @@ def action_kind(env_name):
 
 def script_of(algo, env_name):
     """The file a row runs: a pg row runs actor_critic.py (PPO) where that file
-    has the env's settings, else pg.py (REINFORCE)."""
-    if algo == 'pg' and env_name in importlib.import_module('actor_critic').ENV_SETTINGS:
+    has the env's settings, else pg.py (REINFORCE); an awr row actor_critic.py."""
+    if algo == 'awr' or (algo == 'pg' and env_name in
+                         importlib.import_module('actor_critic').ENV_SETTINGS):
         return 'actor_critic'
     return algo
+
+
+def settings_table(algo, script, env_name):
+    """The per-env settings table the row's command line uses (no compiling)."""
+    module = importlib.import_module(script)
+    if algo == 'awr':
+        return module.env_settings('awr', env_name)
+    return getattr(module, 'ENV_SETTINGS', {})
 
 
 def run_row(env_name, algo, seeds, time_limit=None, jobs=1):
@@ -168,9 +179,9 @@ def run_row(env_name, algo, seeds, time_limit=None, jobs=1):
     -> the row's figures and curves."""
     first, count = seeds[0], len(seeds)
     script = script_of(algo, env_name)
-    extra = []
+    extra = ['--policy-loss', 'awr'] if algo == 'awr' else []
     if time_limit is not None:
-        extra = ['--epochs', str(MINATAR_EPOCHS[algo]), '--time-limit', f'{time_limit:g}']
+        extra += ['--epochs', str(MINATAR_EPOCHS[algo]), '--time-limit', f'{time_limit:g}']
     with tempfile.TemporaryDirectory() as out:
         command = [sys.executable, os.path.join(ROOT, f'{script}.py'), '--env', env_name,
                    '--seed', str(first), '--num-seeds', str(count), '--quiet',
@@ -197,9 +208,9 @@ def run_row(env_name, algo, seeds, time_limit=None, jobs=1):
     if algo == 'pg':  # the loss, and gSDE where it explores
         mode = config['policy_loss'] + (', gSDE' if config.get('state_dependent_exploration')
                                         else '')
-    table = getattr(importlib.import_module(script), 'ENV_SETTINGS', {})  # compiles nothing
+    table = settings_table(algo, script, env_name)
     settings = flags.settings_flags(table.get(env_name, {})) or '(defaults)'
-    if extra:
+    if time_limit is not None:
         settings += ', then ' + ' '.join(extra)
     return {
         'env': env_name, 'algo': algo, 'mode': mode, 'seeds': list(seeds),
@@ -245,7 +256,8 @@ def write_table(rows, path):
         '# Results: gymnax envs with each env\'s settings',
         '',
         f'Written by `python tests/results.py` on {machine()}; each row is one process '
-        '`python ALGO.py --env ENV --num-seeds N` (compile time included in its wall '
+        '`python ALGO.py --env ENV --num-seeds N` (awr: `python actor_critic.py '
+        '--policy-loss awr --env ENV --num-seeds N`; compile time included in its wall '
         'seconds). Greedy return over the evaluation episodes after the last epoch, mean '
         'and min over the seeds. Random: uniformly random actions, 256 episodes. Baseline: '
         'gymnax README (gymnax-blines). "meets": mean >= baseline and worst seed within '
@@ -328,7 +340,8 @@ def main(argv=None):
     parser.add_argument('--envs', default=','.join(BASELINES),
                         help='comma list of gymnax envs (default: every env with a baseline)')
     parser.add_argument('--algos', default='dqn,pg',
-                        help='comma list of dqn, pg; dqn skips continuous-action envs')
+                        help='comma list of dqn, pg, awr (actor_critic.py --policy-loss awr); '
+                             'dqn skips continuous-action envs, awr MinAtar (no settings)')
     parser.add_argument('--seeds', default=None,
                         help='N (seeds 0..N-1) or A-B (default: 8; MinAtar rows 4)')
     parser.add_argument('--out', default=os.path.join(ROOT, 'docs', 'results.md'))
@@ -351,7 +364,7 @@ def main(argv=None):
         kind = action_kind(env_name)
         random_return = random_policy_return(env_name)
         for algo in [a.strip() for a in args.algos.split(',') if a.strip()]:
-            if algo == 'dqn' and kind != 'discrete':
+            if (algo == 'dqn' and kind != 'discrete') or (algo == 'awr' and env_name in MINATAR):
                 continue
             seeds = parse_seeds(args.seeds or ('4' if env_name in MINATAR else '8'))
             time_limit = 60 * args.minatar_minutes if env_name in MINATAR else None

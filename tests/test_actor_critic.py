@@ -339,6 +339,97 @@ def test_ppo_loss_value_and_gradient_by_hand_and_clipping_zeroes_it():
     assert float(per_step[1]) != 0.0 and float(per_step[2]) != 0.0
 
 
+def test_awr_loss_value_and_gradient_by_hand():
+    """Trax's AWRLoss: each step's log-prob weighted by min(exp(A / beta), w_max),
+    -sum(w weight log pi) / sum(w); the weights are constants (no gradient to A)
+    and an overflowing exp is capped, not NaN."""
+    x, actions, weight, params = linear_softmax_case(seed=2)
+    adv = np.array([1.0, -0.5, 3.0, 0.0, -2.0, 0.7, 9.0, -1.0], np.float32)
+    beta, w_max = 0.5, 20.0
+    # exp(2 A), by hand: e^2, e^-1, e^6 > 20, e^0, e^-4, e^1.4, e^18 > 20, e^-2.
+    by_hand = np.array([7.3890561, 0.36787944, 20.0, 1.0, 0.018315639, 4.0552, 20.0, 0.13533528])
+    np.testing.assert_allclose(ac.awr_weights(jnp.asarray(adv), beta, w_max), by_hand, rtol=1e-5)
+
+    def loss(params, adv):
+        log_probs = common.categorical_log_prob(common.mlp(params, x), jnp.asarray(actions))
+        return ac.awr_loss(log_probs, adv, jnp.asarray(weight), beta, w_max)
+
+    probs = softmax_np(x @ np.asarray(params[0]['w']) + np.asarray(params[0]['b']))
+    log_p = np.log(probs[np.arange(8), actions])
+    assert float(loss(params, jnp.asarray(adv))) == pytest.approx(
+        -(weight * by_hand * log_p).sum() / weight.sum(), rel=1e-5)
+    grads, adv_grad = jax.grad(loss, argnums=(0, 1))(params, jnp.asarray(adv))
+    dlogits = -(weight * by_hand / weight.sum())[:, None] * (np.eye(3)[actions] - probs)
+    np.testing.assert_allclose(grads[0]['w'], x.T @ dlogits, rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(grads[0]['b'], dlogits.sum(0), rtol=1e-4, atol=1e-6)
+    np.testing.assert_array_equal(adv_grad, np.zeros(8))
+    huge = jnp.asarray(adv).at[0].set(1e4)  # exp(2e4) = inf: capped at w_max
+    assert float(ac.awr_weights(huge, beta, w_max)[0]) == w_max
+    assert all(np.all(np.isfinite(g)) for g in jax.tree.leaves(jax.grad(loss)(params, huge)))
+
+
+def replay_config(n_replay_epochs, **overrides):
+    """AWR in n_interactions mode on the Countdown probe: 2 envs x 6 steps an epoch."""
+    return ac_config(policy_loss='awr', n_replay_epochs=n_replay_epochs, max_steps=None,
+                     n_trajectories_per_epoch=None, n_envs=2, n_interactions_per_epoch=12,
+                     **overrides)
+
+
+def test_replay_is_a_ring_of_the_last_epochs():
+    """Epoch e's rollout goes to slot e % n_replay_epochs, overwriting the
+    oldest; slots not yet collected are invalid. (Collection does not depend on
+    the replay: n_replay_epochs 1 collects the same rollouts.)"""
+    configs = [replay_config(1), replay_config(2)]
+    agents = [ac.make_agent(config) for config in configs]
+    hp = single_hp(configs[0])
+    states = [agent.init(jax.random.PRNGKey(4), hp) for agent in agents]
+    assert not np.any(states[1].replay.valid)
+    for epoch in range(3):
+        states = [agent.collect(hp, state)[0] for agent, state in zip(agents, states)]
+        latest = jax.tree.map(lambda x: x[0], states[0].replay)
+        jax.tree.map(np.testing.assert_array_equal, latest,
+                     jax.tree.map(lambda x: x[epoch % 2], states[1].replay))
+        if epoch == 0:
+            assert np.all(states[1].replay.valid[0]) and not np.any(states[1].replay.valid[1])
+        else:  # the other slot holds the epoch before
+            jax.tree.map(np.testing.assert_array_equal, previous,
+                         jax.tree.map(lambda x: x[(epoch - 1) % 2], states[1].replay))
+        previous = latest
+        states = [state._replace(epoch=state.epoch + 1) for state in states]  # as train does
+
+
+def test_replayed_epochs_each_get_their_own_advantages_and_every_pass_covers_them():
+    """advantages_of over a replay of 2 epochs = each epoch alone (each row
+    bootstraps from its own last observation); minibatch passes visit every
+    collected step of every replayed epoch once, also while the replay is not
+    yet full."""
+    config = replay_config(3, hidden_sizes=(4,))
+    agent = ac.make_agent(config)
+    hp = single_hp(config)
+    state = agent.init(jax.random.PRNGKey(5), hp)
+    for _ in range(2):
+        state, _ = agent.collect(hp, state)
+        state = state._replace(epoch=state.epoch + 1)
+    adv, values = ac.advantages_of(agent.spec, hp, state.value_params, state.replay)
+    for slot in range(2):
+        alone = jax.tree.map(lambda x: x[slot:slot + 1], state.replay)
+        adv_alone, values_alone = ac.advantages_of(agent.spec, hp, state.value_params, alone)
+        np.testing.assert_allclose(adv[slot], adv_alone[0], rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(values[slot], values_alone[0], rtol=1e-6, atol=1e-6)
+    weight = ac.flat(state.replay.valid).astype(jnp.float32)  # 24 of 36 steps
+    minibatch = ac.minibatches(agent.spec, jax.random.PRNGKey(6), weight, 6, 8)
+    batches = np.stack([np.asarray(minibatch(step)) for step in range(6)])
+    for one_pass in (batches[:3], batches[3:]):
+        assert sorted(one_pass.ravel()) == list(range(24))  # slots 0 and 1, not 2
+    # One epoch collected, 12 steps: 6 minibatch steps of 8 are 3 passes, each whole.
+    weight_one = weight.at[12:].set(0.0)
+    minibatch = ac.minibatches(agent.spec, jax.random.PRNGKey(6), weight_one, 6, 8)
+    batches = np.stack([np.asarray(minibatch(step)) for step in range(6)])
+    for one_pass in (batches[0:2], batches[2:4], batches[4:6]):
+        assert sorted(one_pass.ravel()) == sorted(list(range(12)) + list(one_pass.ravel()[:4]))
+    assert not np.array_equal(batches[2:4], batches[4:6])  # each pass a fresh order
+
+
 def test_normalized_advantages_use_the_factor_epsilon_and_weights():
     adv = jnp.asarray([1.0, 3.0, 100.0, 5.0])
     weight = jnp.asarray([1.0, 1.0, 0.0, 1.0])
@@ -436,6 +527,11 @@ def test_actor_critic_solves_cartpole(policy_loss, overrides):
     (['--policy-loss', 'ppo', '--value-train-steps-per-epoch', '10',
       '--value-evals-per-epoch', '3'], 'divisible'),
     (['--policy-loss', 'ppo', '--scale-value-targets', '--gamma', '1'], '--scale-value-targets'),
+    (['--policy-loss', 'ppo', '--n-replay-epochs', '2'], '--n-replay-epochs'),  # on-policy
+    (['--policy-loss', 'a2c', '--n-replay-epochs', '3'], '--policy-loss awr'),
+    (['--policy-loss', 'awr', '--n-replay-epochs', '0'], '--n-replay-epochs'),
+    (['--policy-loss', 'awr', '--awr-beta', '0'], '--beta'),
+    (['--policy-loss', 'awr', '--awr-max-weight', '-1,20'], '--w-max'),
 ])
 def test_bad_actor_critic_input_exits_2_with_one_line(argv, message, tmp_path, capsys):
     out = tmp_path / 'bad'
@@ -466,19 +562,27 @@ def test_lambda_flag_and_actor_critic_defaults():
         assert config.normalize_advantages is value
 
 
-def test_ppo_gaussian_probe_converges_to_the_best_continuous_action():
-    """The Box path of the actor-critic: PPO (Gaussian log-probs and ratios)
-    on one-step episodes whose best action is 0.5."""
-    config = ac_config(env='PgProbe-BoxTarget', policy_loss='ppo', epochs=40, max_steps=None,
-                       n_trajectories_per_epoch=64, hidden_sizes=(16,), lr=0.02,
+@pytest.mark.parametrize('policy_loss, overrides', [
+    ('ppo', {}), ('awr', {'n_replay_epochs': 3, 'beta': 0.5})])
+def test_gaussian_probe_converges_to_the_best_continuous_action(policy_loss, overrides):
+    """The Box path of the actor-critic: PPO (Gaussian log-probs and ratios),
+    and AWR (weighted log-probs, on 3 epochs of replay) on one-step episodes
+    whose best action is 0.5."""
+    config = ac_config(env='PgProbe-BoxTarget', policy_loss=policy_loss, epochs=40,
+                       max_steps=None, n_trajectories_per_epoch=64, hidden_sizes=(16,), lr=0.02,
                        init_log_std=-0.5, train_steps_per_epoch=4, batch_size=32,
                        value_train_steps_per_epoch=8, value_lr=0.05, n_eval_episodes=8,
-                       adam_b1=0.9)
+                       adam_b1=0.9, **overrides)
     agent, state, history, _, _ = run_phases(config, epochs=config.epochs)
     net = jax.tree.map(lambda x: x[0], state.params['net'])
     assert float(common.mlp(net, jnp.ones(2))[0]) == pytest.approx(0.5, abs=0.1)
     assert float(history[-1][common.eval_key(0.0, 1)][0]) > -0.01
-    assert 0 <= float(history[-1]['metrics/clip_fraction'][0]) <= 1
+    if policy_loss == 'ppo':
+        assert 0 <= float(history[-1]['metrics/clip_fraction'][0]) <= 1
+    else:  # Trax's weight statistics, within the cap
+        last = history[-1]
+        assert 0 < float(last['metrics/awr_weight_min'][0]) <= float(
+            last['metrics/awr_weight_mean'][0]) <= float(last['metrics/awr_weight_max'][0]) <= 20
 
 
 @pytest.mark.parametrize('freq, blocks', [(4, [[0, 4], [4, 8]]), (0, [[0, 8]])])
@@ -543,13 +647,21 @@ def test_value_network_learns_the_image_probe_through_the_conv_torso():
 
 def test_env_settings_table_names_real_fields_and_valid_configs():
     fields = {field.name: field for field in dataclasses.fields(ac.Config)}
-    for name, settings in ac.ENV_SETTINGS.items():
-        assert name in GYMNAX_ENVS, name
-        for field, value in settings.items():
-            assert field in fields, (name, field)
-            # policy_loss names the entry's loss (not applied to another).
-            assert value != fields[field].default or field == 'policy_loss', (name, field)
-        ac.check_config(dataclasses.replace(ac.Config(env=name), **settings))
+    awr = {name: {**ac.AWR_SETTINGS, **entry} for name, entry in ac.AWR_ENV_SETTINGS.items()}
+    for table, loss in ((ac.ENV_SETTINGS, 'ppo'), (awr, 'awr'),
+                        ({'CartPole-v1': ac.AWR_SETTINGS}, 'awr')):
+        for name, settings in table.items():
+            assert name in GYMNAX_ENVS, name
+            assert settings['policy_loss'] == loss  # each entry names the loss it is for
+            for field, value in settings.items():
+                assert field in fields, (name, field)
+                assert value != fields[field].default or field == 'policy_loss', (name, field)
+            ac.check_config(dataclasses.replace(ac.Config(env=name), **settings))
+    # The table a command line gets: PPO's unless it asks for awr.
+    assert ac.env_settings('ppo', 'Pendulum-v1') is ac.ENV_SETTINGS
+    assert ac.env_settings('a2c', 'Pendulum-v1') is ac.ENV_SETTINGS
+    assert ac.env_settings('awr', 'Catch-bsuite')['Catch-bsuite'] == {
+        **ac.AWR_SETTINGS, **ac.AWR_ENV_SETTINGS.get('Catch-bsuite', {})}
 
 
 def test_env_settings_apply_flags_override_and_config_records(tmp_path, capsys):
@@ -589,6 +701,67 @@ def test_env_settings_are_for_their_policy_loss(tmp_path, capsys):
     assert config['gamma'] == ac.Config.gamma and config['epochs'] == 1
 
 
+@pytest.mark.parametrize('env', ['CartPole-v1', 'Pendulum-v1'])
+def test_awr_brings_its_own_settings_never_ppos(env, tmp_path, capsys):
+    """`--policy-loss awr` (one tiny epoch): AWR's settings, with the env's
+    AWR entry over them, are applied and printed; none of the env's PPO entry
+    is; a flag typed still wins."""
+    out = tmp_path / 'run'
+    typed = dict(epochs=1, n_envs=2, n_interactions_per_epoch=8, batch_size=4,
+                 value_batch_size=4, train_steps_per_epoch=2, value_train_steps_per_epoch=2,
+                 n_eval_episodes=0, n_replay_epochs=3)
+    ac.main(['--policy-loss', 'awr', '--env', env, *flags.settings_flags(typed).split(),
+             '--compile-cache', 'none', '--no-tensorboard', '--output-dir', str(out)])
+    settings = {**ac.AWR_SETTINGS, **ac.AWR_ENV_SETTINGS.get(env, {})}
+    printed = capsys.readouterr().out.splitlines()[0]
+    assert printed.startswith(f'actor_critic.py: settings for {env}: --policy-loss awr ')
+    assert '--n-replay-epochs' not in printed  # typed, so not a setting
+    config = json.loads((out / 'config.json').read_text())
+    for field, value in {**settings, **typed}.items():
+        assert config[field] == (list(value) if isinstance(value, tuple) else value), field
+    for field in set(ac.ENV_SETTINGS.get(env, {})) - set(settings) - set(typed):
+        assert config[field] == getattr(ac.Config, field), field  # PPO's entry: not applied
+
+
+# Tiny A2C and PPO runs through common.run_sweep (the command line's compiler
+# options), recorded before AWR and its replay came in: the sums of every
+# parameter leaf (policy, then value network) after 3 epochs, the last
+# epoch's policy and value losses summed over 2 seeds. Bitwise equal on the
+# machine they were recorded on; the tolerance leaves room for another CPU's
+# rounding, far below what any change of data, order or keys would make.
+TINY = dict(n_envs=4, n_interactions_per_epoch=64, train_steps_per_epoch=8, batch_size=16,
+            value_batch_size=16, value_train_steps_per_epoch=6, value_evals_per_epoch=2,
+            hidden_sizes=(8,), n_eval_episodes=2, epochs=3)
+BEFORE_REPLAY = {
+    'ppo': (dict(TINY, policy_loss='ppo'),
+            [-0.026414690539240837, 0.8920555394142866, -3.725290298461914e-09,
+             0.005835820407810388, 0.14087311661569402, -2.9792504244833253,
+             0.03783157281577587, 0.27594972122460604], -0.00015372480265796185,
+            70.06222534179688),
+    'a2c': (dict(TINY, policy_loss='a2c', n_interactions_per_epoch=None,
+                 n_trajectories_per_epoch=3, max_steps=40, batch_size=0,
+                 advantage_estimator='td_lambda'),
+            [-0.12331399350659922, 0.9602077901363373, -3.725290298461914e-09,
+             0.005835827352711931, 0.1398701711150352, -2.9941864747088403,
+             0.038007134571671486, 0.2743343999609351], 0.008082197047770023,
+            127.29693603515625),
+}
+
+
+@pytest.mark.parametrize('loss', sorted(BEFORE_REPLAY))
+def test_ppo_and_a2c_are_unchanged_by_the_replay(loss):
+    """n_replay_epochs 1 (the default) is A2C and PPO as they were before AWR."""
+    kwargs, sums, policy_loss, value_loss = BEFORE_REPLAY[loss]
+    config = ac.Config(**kwargs)
+    _, state, metrics = common.run_sweep(ac.make_agent(config), config, num_seeds=2)
+    got = [float(np.sum(np.asarray(leaf, np.float64))) for leaf in
+           jax.tree.leaves(state.params) + jax.tree.leaves(state.value_params)]
+    np.testing.assert_allclose(got, sums, rtol=1e-6, atol=1e-9)
+    assert float(metrics['metrics/policy_loss'][-1].sum()) == pytest.approx(policy_loss, rel=1e-5)
+    assert float(metrics['metrics/value_loss'][-1].sum()) == pytest.approx(value_loss, rel=1e-6)
+    assert state.replay.valid.shape[1] == 1  # [runs, n_replay_epochs, ...]
+
+
 def test_defaults_are_a_ppo_whose_ratio_moves(tmp_path, cache):
     """`python actor_critic.py`, one epoch: PPO's minibatch passes move the
     policy away from the collecting one, so the ratio leaves 1 (approx_kl > 0)
@@ -607,3 +780,10 @@ def test_help_documents_every_field(capsys):
     for field in dataclasses.fields(ac.Config):
         assert '--' + field.name.replace('_', '-') in out
         assert field.metadata['help']
+    assert '--awr-beta' in out and '--awr-max-weight' in out  # the issue's names for Trax's
+    assert 'Pendulum-v1: --policy-loss ppo' in out  # PPO's per-env settings
+    with pytest.raises(SystemExit):  # and with awr, AWR's
+        ac.main(['--policy-loss', 'awr', '--help'])
+    out = capsys.readouterr().out
+    assert 'CartPole-v1: --policy-loss awr --n-replay-epochs' in out
+    assert '--policy-loss ppo' not in out

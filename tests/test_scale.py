@@ -187,10 +187,12 @@ PG_PPO_TINY = ['--policy-loss', 'ppo', '--advantage-estimator', 'gae',
     (['--env', 'Breakout-MinAtar', '--conv-channels', '4'], "['conv']"),
     (['--env', 'MountainCarContinuous-v0', '--state-dependent-exploration',
       '--sde-sample-freq', '8', '--normalize-observations'], "['log_std']"),
+    # AWR: 3 epochs into a replay of 2, so the ring wraps.
+    (['--policy-loss', 'awr', '--n-replay-epochs', '2', '--epochs', '3'], '.replay.'),
 ])
 def test_pg_ppo_conv_and_gsde_grids_equal_the_separate_runs(flags, leaf, cache_dir, tmp_path):
-    """PPO (actor_critic.py) with the conv torso, and with gSDE: a 2-point lr
-    grid x 2 seeds = the 4 runs alone, bitwise."""
+    """PPO (actor_critic.py) with the conv torso, and with gSDE, and AWR with
+    its replay: a 2-point lr grid x 2 seeds = the 4 runs alone, bitwise."""
     import actor_critic
     grid_out = str(tmp_path / 'grid')
     actor_critic.main([*PG_PPO_TINY, *flags, '--compile-cache', cache_dir, '--output-dir',
