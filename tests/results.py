@@ -107,6 +107,13 @@ MINATAR_NOTES = {
 }
 
 
+AWR_NOTE = ('actor_critic.py --policy-loss awr, beside the PPO rows (pg (ppo)); they ran with '
+            'the 2 cores shared by other jobs (Pendulum at load 7-10, Catch at 2-4), so their '
+            'wall seconds are up to several times what an idle machine takes and not comparable '
+            'with the other rows\'; an AWR epoch also costs more than a PPO one, as it '
+            'recomputes the advantages of its 10 replayed epochs')
+
+
 def minatar_note(rows, env):
     """What each algorithm reached within its time limit, and on what share of the machine."""
     parts = []
@@ -276,10 +283,13 @@ def write_table(rows, path):
                      f'{fmt(BASELINES.get(row["env"]))} | {meets(row)} |')
     notes = [(env, minatar_note(rows, env) if env in MINATAR else NOTES[env])
              for env in dict.fromkeys(r['env'] for r in rows) if env in NOTES or env in MINATAR]
+    if any(row['algo'] == 'awr' for row in rows):
+        notes.append(('awr rows', AWR_NOTE))
     if notes:
         lines += ['', 'Rows that cannot meet the baseline by design, or need a note:', '']
         lines += [f'- {env}: {note}.' for env, note in notes]
-    lines += ['', 'Settings used (ENV_SETTINGS in the algorithm\'s file):', '']
+    lines += ['', 'Settings used (ENV_SETTINGS in the algorithm\'s file; awr: AWR_SETTINGS '
+              'with the env\'s AWR_ENV_SETTINGS entry, in actor_critic.py):', '']
     lines += [f'- {row["env"]}, {row["algo"]}: `{row["settings"]}`' for row in rows]
     lines += ['', f'![learning curves]({os.path.basename(png_path(path))})', '']
     tmp = path + '.tmp'
