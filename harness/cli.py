@@ -163,8 +163,13 @@ def main(config_cls, make_agent, check_hyperparameters, prog, description, argv=
                   flush=True)
         config, grid = flags.config_and_grid(config_cls, args)
         flags.check_run_flags(args)
-        common.check_fields(config, grid)
-        check_hyperparameters(config, common.expand_runs(config, grid, args.seed, 1))
+        flags.check_schedule(config, args.given)
+
+        def check(config, grid):
+            common.check_fields(config, grid)
+            check_hyperparameters(config, common.expand_runs(config, grid, args.seed, 1))
+        check(config, grid)
+        flags.check_as_float32(config, grid, check)
     except common.UsageError as error:
         parser.error(str(error))
     return run_experiment(make_agent, config, grid, args, prog)
@@ -253,6 +258,7 @@ def _set_up(make_agent, config, grid, args, prog):
     devices.check_same_flags(args)
     runs = common.expand_runs(config, grid, args.seed, args.num_seeds)
     agent = make_agent(config)  # validates the config and the env
+    flags.check_flags_act(config, agent, getattr(args, 'given', set()))
     hp = common.hyperparameters(config, runs)
     sharding = devices._run_sharding(len(runs), args.device)
 
@@ -608,10 +614,21 @@ def _finish(run, args):
               f'results in {run.output_dir}')
 
 
+def _final_eval_key(agent, config):
+    """The greedy evaluation summary.json reports: temperature 0 at the
+    episode cap if evaluated, else the longest greedy horizon, else the first
+    tag; None without evaluation."""
+    if not agent.eval_tags or getattr(config, 'n_eval_episodes', 1) == 0:
+        return None
+    greedy = [tag for tag in agent.eval_tags if tag[0] == 0]
+    tag = max(greedy, key=lambda tag: tag[1]) if greedy else agent.eval_tags[0]
+    return common.eval_key(*tag)
+
+
 def _summary(agent, config, runs, history, wall_start, compile_s, batch_invariant):
     final_epoch = max((record['epoch'] for record in history), default=0)
     final = sorted((r for r in history if r['epoch'] == final_epoch), key=lambda r: r['run'])
-    key = common.eval_key(0.0, agent.max_steps)
+    key = _final_eval_key(agent, config)
     return {
         'algorithm': agent.name,
         'env': config.env,
