@@ -231,7 +231,7 @@ def main(config_cls, make_agent, check_hyperparameters, prog, description, argv=
     not given: from the env's settings, and on resume from the saved config
     (defaults < env settings < saved config < flags given); check every run's
     hyperparameters, then run (or resume, or only evaluate) the experiment."""
-    with _signals:
+    with _signals, rundir.matplotlib_config_dir():
         try:
             _signals.check()
             return _main(config_cls, make_agent, check_hyperparameters, prog, description,
@@ -390,7 +390,8 @@ class _Run:
 def _set_up(make_agent, config, grid, args, prog):
     """Check the flags and the output dir before compiling; write nothing."""
     wall_start = time.time()
-    flags.enable_compile_cache(getattr(args, 'compile_cache', None))
+    flags.enable_compile_cache(getattr(args, 'compile_cache', None),
+                               explicit='compile_cache' in getattr(args, 'given', ()))
     flags.check_run_flags(args)
     if getattr(args, 'tensorboard', True) and importlib.util.find_spec('tensorboardX') is None:
         raise common.UsageError('TensorBoard summaries need the tensorboardX package '

@@ -8,6 +8,7 @@ import copy
 import dataclasses
 import decimal
 import os
+import sys
 import typing
 
 import jax
@@ -66,11 +67,36 @@ DEFAULT_COMPILE_CACHE = os.environ.get(
     'JAX_COMPILATION_CACHE_DIR', os.path.join(os.path.expanduser('~'), '.cache', 'trax-rl-jax'))
 
 
-def enable_compile_cache(path):
-    """Persist compiled programs on disk (JAX's own cache) unless path is 'none'."""
-    if path and path.lower() != 'none':
-        jax.config.update('jax_compilation_cache_dir', path)
-        jax.config.update('jax_persistent_cache_min_compile_time_secs', 0.2)
+def enable_compile_cache(path, explicit=True):
+    """Persist compiled programs on disk (JAX's own cache) unless path is 'none'.
+    A directory that cannot be used is refused in one line when given on the
+    command line; the default (under a read-only HOME) is skipped with a note,
+    never left to JAX's warnings on every compile."""
+    if not path or path.lower() == 'none':
+        return
+    problem = unusable_directory(path)
+    if problem and explicit:
+        raise common.UsageError(f'--compile-cache {path}: {problem} (--compile-cache none '
+                                'compiles without a cache)')
+    if problem:
+        print(f'note: no compile cache ({path}: {problem}); every program compiles from '
+              'scratch (--compile-cache DIR elsewhere, or none)', file=sys.stderr, flush=True)
+        return
+    jax.config.update('jax_compilation_cache_dir', path)
+    jax.config.update('jax_persistent_cache_min_compile_time_secs', 0.2)
+
+
+def unusable_directory(path):
+    """Why `path` cannot be a directory this process writes, or None if it can."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        return 'exists and is not a directory'
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as error:
+        return error.strerror or str(error)
+    if not os.access(path, os.W_OK | os.X_OK):
+        return 'not writable'
+    return None
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -418,10 +444,13 @@ EVALUATION_ONLY = ('eval_steps', 'eval_temperatures', 'eval_every')
 def check_flags_act(config, agent, given):
     """Refuse a flag typed on the command line that cannot act on this env or
     mode (it would be saved, and bind a resume, while changing nothing)."""
+    defaults = {field.name: field.default for field in dataclasses.fields(config)}
+    given = {name for name in given if name in defaults
+             and getattr(config, name) != defaults[name]}  # the default does nothing anyway
     policy = getattr(agent.spec, 'policy', None)
     if policy is not None and policy.kind != 'box':
         for name in BOX_ONLY:
-            if name in given and hasattr(config, name):
+            if name in given:
                 raise common.UsageError(f'{_flag(name)} acts on Box (continuous) actions '
                                         f'only; {config.env} has discrete actions')
     if 'sde_sample_freq' in given and not getattr(config, 'state_dependent_exploration', True):

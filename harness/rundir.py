@@ -10,6 +10,8 @@ import io
 import json
 import math
 import os
+import sys
+import tempfile
 import time
 import zipfile
 
@@ -309,6 +311,37 @@ def _lock_holder(fd):
 
 def plot_learning_curves(history, agent, env_name, path):
     """Greedy and training return vs env steps: mean line, min-max band over runs."""
+    with matplotlib_config_dir():
+        _plot(history, agent, env_name, path)
+
+
+@contextlib.contextmanager
+def matplotlib_config_dir():
+    """Matplotlib's config and font cache in a temporary directory where its
+    own (~/.config/matplotlib) cannot be written (a read-only HOME), instead
+    of its warnings (gymnax imports it with its envs); removed afterwards."""
+    home = os.environ.get('XDG_CONFIG_HOME') or os.path.join(os.path.expanduser('~'), '.config')
+    if 'MPLCONFIGDIR' in os.environ or 'matplotlib' in sys.modules or \
+            _writable(os.path.join(home, 'matplotlib')):
+        yield
+        return
+    with tempfile.TemporaryDirectory(prefix='matplotlib-') as directory:
+        os.environ['MPLCONFIGDIR'] = directory
+        try:
+            yield
+        finally:
+            del os.environ['MPLCONFIGDIR']
+
+
+def _writable(directory):
+    try:
+        os.makedirs(directory, exist_ok=True)
+    except OSError:
+        return False
+    return os.access(directory, os.W_OK | os.X_OK)
+
+
+def _plot(history, agent, env_name, path):
     import matplotlib
     matplotlib.use('Agg')
     import matplotlib.pyplot as plt
@@ -341,7 +374,10 @@ def plot_learning_curves(history, agent, env_name, path):
     axis.set_xlabel('env steps per run')
     axis.set_ylabel('return')
     axis.set_title(f'{env_name}: {n_runs} run(s), mean and min-max band')
-    axis.legend(loc='lower right')
+    if axis.lines:
+        axis.legend(loc='lower right')
+    else:  # no episode ended and no evaluation yet: say so rather than warn
+        axis.text(0.5, 0.5, 'no episode has ended yet', ha='center', transform=axis.transAxes)
     figure.tight_layout()
     tmp = f'{path}{TEMP_MARK}{os.getpid()}.png'
     try:
