@@ -370,6 +370,7 @@ class _Run:
     resuming: bool
     wall_start: float
     batch_invariant: bool = True  # --batch-invariant
+    pad: int = 0  # copies of runs that keep every device at 2+ runs (lone_run_padding)
     compile_s: float = 0.0
     start_epoch: int = 0
     history: list = dataclasses.field(default_factory=list)  # metric records so far
@@ -401,8 +402,9 @@ def _set_up(make_agent, config, grid, args, prog):
     runs = common.expand_runs(config, grid, args.seed, args.num_seeds)
     agent = make_agent(config)  # validates the config and the env
     flags.check_flags_act(config, agent, getattr(args, 'given', set()))
-    hp = common.hyperparameters(config, runs)
     sharding = devices._run_sharding(len(runs), args.device)
+    pad = devices.lone_run_padding(len(runs), sharding, getattr(args, 'batch_invariant', True))
+    hp = _pad_rows(common.hyperparameters(config, runs), pad)
 
     output_dir = args.output_dir
     if output_dir is None:
@@ -413,7 +415,7 @@ def _set_up(make_agent, config, grid, args, prog):
             'runs', f'{agent.name}_{config.env}_s{args.seed}_{now.strftime("%Y%m%d-%H%M%S")}')
     checkpoint_path = os.path.join(output_dir, 'checkpoint.npz')
     with devices.agreement():  # this host's memory and (process 0) files
-        devices.check_memory(agent, hp, jax.ShapeDtypeStruct((len(runs), 2), jnp.uint32),
+        devices.check_memory(agent, hp, jax.ShapeDtypeStruct((len(runs) + pad, 2), jnp.uint32),
                      sorted(sharding.device_set, key=lambda device: device.id),
                      agent.memory_flags)
         if devices.is_writer():
@@ -429,9 +431,26 @@ def _set_up(make_agent, config, grid, args, prog):
     # Each run's key is PRNGKey(its seed), built in one call (not one per run).
     keys = jax.vmap(jax.random.PRNGKey)(jnp.asarray([run['seed'] for run in runs], jnp.int32))
     return _Run(agent=agent, config=config, runs=runs, hp=devices.put_global(hp, sharding),
-                keys=devices.put_global(keys, sharding), sharding=sharding, output_dir=output_dir,
-                run_config=run_config, resuming=False, wall_start=wall_start,
-                batch_invariant=getattr(args, 'batch_invariant', True))
+                keys=devices.put_global(_pad_rows(keys, pad), sharding), sharding=sharding,
+                output_dir=output_dir, run_config=run_config, resuming=False,
+                wall_start=wall_start, batch_invariant=getattr(args, 'batch_invariant', True),
+                pad=pad)
+
+
+def _pad_rows(tree, pad):
+    """[n_runs, ...] leaves with `pad` copies of the first runs appended (the
+    device padding of devices.lone_run_padding)."""
+    if not pad:
+        return tree
+    return jax.tree.map(lambda leaf: np.concatenate([np.asarray(leaf), np.asarray(leaf)[:pad]]),
+                        tree)
+
+
+def _real_rows(run, tree):
+    """The runs' own rows of gathered [n_rows, ...] leaves: the padding dropped."""
+    if not run.pad:
+        return tree
+    return jax.tree.map(lambda leaf: leaf[:len(run.runs)], tree)
 
 
 def _find_saved_run(run, only_eval):
@@ -501,6 +520,7 @@ def _check_saved_config(run):
     if differing == ['lr_decay_epochs']:  # --epochs grew; the schedule is pinned
         raise common.UsageError(flags.pinned_schedule_message(run.output_dir,
                                                  saved['config']['lr_decay_epochs']))
+    _check_same_devices(run, saved.get('devices'))
     if differing:
         raise common.UsageError(
             f'{run.output_dir} holds a run with a different config; differing: '
@@ -508,6 +528,27 @@ def _check_saved_config(run):
                         f'{run.run_config.get(name)!r})' for name in differing)
             + '; use another --output-dir')
     return saved
+
+
+# Observations up to this many values: sharded results are bitwise those of
+# one device (tested on CartPole's 4); wider ones were seen to differ (README).
+BITWISE_OBS_SIZE = 4
+
+
+def _check_same_devices(run, saved_devices):
+    """Refuse a resume on another number of devices where that would change
+    the numbers: runs whose observations are wider than BITWISE_OBS_SIZE."""
+    now = len(run.sharding.device_set)
+    spec = run.agent.spec
+    obs_size = int(np.prod(getattr(spec, 'obs_shape', None) or spec.policy.obs_shape))
+    if saved_devices is None or saved_devices == now or obs_size <= BITWISE_OBS_SIZE \
+            or next(iter(run.sharding.device_set)).platform != 'cpu':
+        return
+    raise common.UsageError(
+        f'{run.output_dir} was run on {saved_devices} device(s), this run would use {now}: '
+        f'with {obs_size} observation values the sharded program differs from one device in '
+        f'the last bits (README, sharding); resume on {saved_devices} device(s)'
+        + (' (--device 0 for one)' if saved_devices == 1 else ''))
 
 
 def _compile_phases(run, args):
@@ -545,7 +586,7 @@ def _compiled(run, function, *example):
 def _plan(run, start, n):
     """The chunk's traced plan, one identical row per run (sharded as the runs)."""
     row = [start, n, run.config.epochs, common.evaluation_period(run.config)]
-    return devices.put_global(np.tile(np.asarray(row, np.int32), (len(run.runs), 1)),
+    return devices.put_global(np.tile(np.asarray(row, np.int32), (len(run.runs) + run.pad, 1)),
                               run.sharding)
 
 
@@ -553,8 +594,10 @@ def _restore(run, state):
     """Load the checkpoint into `state`'s structure; set start_epoch and history."""
     config = run.config
     with devices.agreement():
-        restored, saved = rundir.load_checkpoint(run.checkpoint_path, state)
-    state = devices.put_global(restored, run.sharding)
+        template = jax.tree.map(  # the runs' own rows, as the checkpoint holds them
+            lambda leaf: jax.ShapeDtypeStruct((len(run.runs), *leaf.shape[1:]), leaf.dtype), state)
+        restored, saved = rundir.load_checkpoint(run.checkpoint_path, template)
+    state = devices.put_global(_pad_rows(restored, run.pad), run.sharding)
     run.start_epoch = saved['epoch']
     if devices.is_writer():
         run.history = rundir.read_history(run.metrics_path, run.start_epoch)
@@ -574,7 +617,7 @@ def _restore(run, state):
 def _only_eval(run, phases, state, args):
     """--only-eval: one evaluation of the saved parameters, into eval.jsonl."""
     _, metrics = phases['evaluate'](run.hp, state)
-    metrics = devices.gather(metrics)
+    metrics = _real_rows(run, devices.gather(metrics))
     if not devices.is_writer():
         return metrics
     records = rundir.metric_records(run.start_epoch, metrics, run.runs)
@@ -591,7 +634,7 @@ def _run_chunk(run, phases, state, start, n):
     epochs share its mean epoch time."""
     chunk_start = time.time()
     state, metrics, finite = phases['chunk'](run.hp, state, _plan(run, start, n))
-    metrics, finite = devices.gather((metrics, finite))  # waits for the chunk
+    metrics, finite = _real_rows(run, devices.gather((metrics, finite)))  # waits for the chunk
     seconds = (time.time() - chunk_start) / n
     evaluated = {common.eval_key(*tag) for tag in run.agent.eval_tags}
     epochs = []
@@ -732,7 +775,7 @@ class _Saver:
             int(time.time() - self.saved_at >= CHECKPOINT_SECONDS)))
 
     def save(self, state, epoch):
-        whole_state = devices.gather(state)  # every process takes part
+        whole_state = _real_rows(self.run, devices.gather(state))  # every process takes part
         self.wait()
         self.saved_at = time.time()
         if devices.is_writer():
@@ -742,7 +785,8 @@ class _Saver:
     def _write(self, whole_state, epoch):
         try:
             rundir.save_checkpoint(self.run.checkpoint_path, whole_state,
-                                   {'config': self.run.run_config, 'epoch': epoch},
+                                   {'config': self.run.run_config, 'epoch': epoch,
+                                    'devices': len(self.run.sharding.device_set)},
                                    previous=self.run.previous_path)
             self.saved_epoch = epoch
         except BaseException as error:  # noqa: B902 (re-raised in the driver)
