@@ -85,6 +85,7 @@ CHECKPOINT_SECONDS = 60.0  # between checkpoints, unless --checkpoint-every is g
 def _fail(prog, message, status=2, local=False):
     """One line on stderr, then exit. Over several processes an error every
     process meets alike is said by process 0 alone; a `local` one by its own."""
+    _signals.stopping = True
     if local or devices.is_writer():
         try:
             print(f'{prog}: error: {one_line(message)}', file=sys.stderr, flush=True)
@@ -161,9 +162,10 @@ class _Signals:
     `pending` and is raised at the next check()."""
 
     def __init__(self):
-        self.pending, self.deferring, self.previous = None, False, {}
+        self.pending, self.deferring, self.stopping, self.previous = None, False, False, {}
 
     def __enter__(self):
+        self.__init__()  # (main may run again in one process)
         try:
             for signum in (signal.SIGINT, signal.SIGTERM):
                 self.previous[signum] = signal.signal(signum, self._handle)
@@ -178,9 +180,12 @@ class _Signals:
         for signum, handler in self.previous.items():
             # Stopping for a signal: one more while the process exits changes nothing.
             signal.signal(signum, handler if self.pending is None else signal.SIG_IGN)
+        self.stopping = False
         return False
 
     def _handle(self, signum, frame):
+        if self.stopping:  # the line is said; one more signal changes nothing
+            return
         if self.deferring and self.pending is None:
             self.pending = signum
             try:
