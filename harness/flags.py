@@ -185,9 +185,11 @@ def _add_run_flags(parser):
                           'seed and grid point: every metric of metrics.jsonl at step = '
                           'epoch, and the config as text')
     run.add_argument('--batch-invariant', default=True, action=argparse.BooleanOptionalAction,
-                     help='CPU: bitwise the same numbers for a run alone, in a grid or sharded '
-                          '(XLA without its algebraic simplifier and YNNPACK fusions other '
-                          'than matmuls)')
+                     help='CPU: bitwise the same numbers for a run in any grid, sharded over '
+                          'any number of devices (XLA without its algebraic simplifier and '
+                          'YNNPACK fusions other than matmuls; no device computes a single '
+                          'run of a sharded program); a lone run differs in the last bits '
+                          '(docs/usage.md)')
     run.add_argument('--compile-cache', default=DEFAULT_COMPILE_CACHE,
                      help="XLA's persistent compilation cache dir ('none': off); a rerun "
                           'of the same program skips most of its compile time')
