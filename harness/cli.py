@@ -312,8 +312,8 @@ def _run_experiment(make_agent, config, grid, args, prog):
         _silence_stdout()
         _fail(prog, f'cannot write to stdout ({error}); {_kept(run)}', status=1)
     except OSError as error:  # a full disk, EIO, a permission: what, where, what is kept
-        what = f'cannot write {error.filename!r}' if error.filename else 'an OS error'
-        _fail(prog, f'{what}: {error.strerror or error} ({errno.errorcode.get(error.errno, "")}'
+        what = repr(error.filename) if error.filename else 'OS error'
+        _fail(prog, f'{what}: {error.strerror or error} ({errno.errorcode.get(error.errno, "?")}'
                     f'); {_kept(run)}', status=1)
 
 

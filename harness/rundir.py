@@ -65,7 +65,9 @@ def atomic_write_bytes(path, data, previous=None):
         os.replace(tmp, path)
     except BaseException as error:  # a full disk, EIO, a signal: leave no temp file
         _remove_quietly(tmp)
-        raise _naming(error, path)
+        if isinstance(error, OSError):
+            error.filename = path  # the file meant, not its temp name
+        raise
     try:
         directory = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
         os.fsync(directory)
