@@ -321,7 +321,7 @@ def _kept(run):
     """What a stopped run leaves: the epoch of its last whole checkpoint."""
     for path in (run.checkpoint_path, run.previous_path):
         try:
-            epoch = rundir.read_checkpoint_metadata(path)['epoch']
+            epoch = rundir.read_run_metadata(path)['epoch']
         except (ValueError, KeyError, TypeError):
             continue
         if epoch >= run.config.epochs:
@@ -486,7 +486,7 @@ def _previous_hint(run):
     if not os.path.exists(run.previous_path):
         return '; there is no previous checkpoint: start a new --output-dir'
     try:
-        epoch = rundir.read_checkpoint_metadata(run.previous_path)['epoch']
+        epoch = rundir.read_run_metadata(run.previous_path)['epoch']
     except ValueError:
         return (f'; the previous checkpoint {run.previous_path} is damaged too: start a new '
                 '--output-dir')
@@ -518,7 +518,7 @@ def _refuse_overwriting(run):
 def _check_saved_config(run):
     """The saved run's config must be this one, up to HARMLESS_FIELDS."""
     try:
-        saved = rundir.read_checkpoint_metadata(run.checkpoint_path)
+        saved = rundir.read_run_metadata(run.checkpoint_path)
     except ValueError as error:
         raise ValueError(f'{error}{_previous_hint(run)}') from None
     differing = config_differences(saved['config'], run.run_config)

@@ -297,7 +297,7 @@ def saved_run_config(output_dir):
         path = os.path.join(output_dir, name)
         if os.path.isfile(path):
             try:
-                return rundir.read_checkpoint_metadata(path)['config']
+                return rundir.read_run_metadata(path)['config']
             except (ValueError, KeyError, TypeError):
                 continue  # gone (a save's rename) or broken: try the previous one
     return None

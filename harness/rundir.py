@@ -89,9 +89,14 @@ def save_checkpoint(path, state, metadata, previous=None):
 
 
 def read_checkpoint_metadata(path):
-    """The JSON metadata of a run's checkpoint (its config and epoch);
-    ValueError naming the file if unreadable or either is missing."""
-    metadata = _read_checkpoint(path)[0]['metadata']
+    """The JSON metadata of a checkpoint; ValueError naming the file if unreadable."""
+    return _read_checkpoint(path)[0]['metadata']
+
+
+def read_run_metadata(path):
+    """The metadata of a run's checkpoint, which must hold its config and
+    epoch; ValueError naming the file if unreadable or either is missing."""
+    metadata = read_checkpoint_metadata(path)
     if not (isinstance(metadata.get('config'), dict) and type(metadata.get('epoch')) is int
             and metadata['epoch'] >= 0):
         raise ValueError(f'checkpoint {path} is corrupt: its header lacks the run\'s config '
