@@ -314,7 +314,7 @@ def test_stdout_on_a_full_device_stops_after_saving(finished_run, cache_dir, tmp
 # ---------------------------------------------------------------------------
 
 
-SLOW = ['--epochs', '2', '--train-steps-per-epoch', '65536']  # epochs of about a second
+SLOW = ['--epochs', '2', '--train-steps-per-epoch', '131072']  # epochs of a second or so
 
 
 def test_a_signal_during_the_imports_is_one_line(cache_dir, tmp_path):
