@@ -30,6 +30,9 @@ docs/actor_critic.md.
     python actor_critic.py --policy-loss a2c --advantage-estimator td_lambda
 """
 
+if __name__ == '__main__':  # a Ctrl-C during the imports: held for main's one line
+    __import__('harness.early_signals')
+
 import dataclasses
 import functools
 import sys

@@ -19,6 +19,9 @@ Fixed relative to Trax (why: docs/trax.md section 6; notes: docs/dqn.md):
     python dqn.py --lr 1e-3,3e-4 --num-seeds 4   # a 2-point grid x 4 seeds
 """
 
+if __name__ == '__main__':  # a Ctrl-C during the imports: held for main's one line
+    __import__('harness.early_signals')
+
 import dataclasses
 import functools
 import sys

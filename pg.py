@@ -22,6 +22,9 @@ A2C and PPO (Trax's actor_critic.py) are in actor_critic.py.
     python pg.py --env Pendulum-v1 --gamma 0.95 --epochs 200 --lr 3e-3
 """
 
+if __name__ == '__main__':  # a Ctrl-C during the imports: held for main's one line
+    __import__('harness.early_signals')
+
 import dataclasses
 import functools
 import sys

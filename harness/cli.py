@@ -6,6 +6,8 @@ TensorBoard, and finish with summary.json."""
 import contextlib
 import dataclasses
 import datetime
+import errno
+import gc
 import importlib
 import importlib.util
 import json
@@ -83,9 +85,42 @@ CHECKPOINT_SECONDS = 60.0  # between checkpoints, unless --checkpoint-every is g
 def _fail(prog, message, status=2, local=False):
     """One line on stderr, then exit. Over several processes an error every
     process meets alike is said by process 0 alone; a `local` one by its own."""
+    _signals.stopping = True
     if local or devices.is_writer():
-        print(f'{prog}: error: {message}', file=sys.stderr)
+        try:
+            print(f'{prog}: error: {one_line(message)}', file=sys.stderr, flush=True)
+        except OSError:
+            pass  # stderr itself is gone: the status still says it
     sys.exit(status)
+
+
+def one_line(text):
+    """`text` with control characters (a path's newline) escaped as repr does."""
+    return ''.join(c if c.isprintable() else repr(c)[1:-1] for c in str(text))
+
+
+class StdoutLost(Exception):
+    """Writing to stdout failed (a closed pipe, a full device): the run stops
+    as after Ctrl-C, saving first, and says so on stderr."""
+
+
+def say(text):
+    """A progress line on stdout; StdoutLost if it cannot be written."""
+    try:
+        print(one_line(text), flush=True)
+    except OSError as error:
+        raise StdoutLost(error.strerror or type(error).__name__) from None
+
+
+def _silence_stdout():
+    """Point fd 1 at /dev/null, so the interpreter's last flush of a broken
+    stdout adds no 'Exception ignored' lines."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):
+        pass
 
 
 def _prepare_output_dir(path, prog):
@@ -110,27 +145,84 @@ def _writer_lock(path):
         yield
 
 
-class _Interrupt:
-    """First Ctrl-C: finish the chunk of epochs, checkpoint, stop. Second: stop now."""
+class Interrupted(BaseException):
+    """SIGINT or SIGTERM, raised where the run must stop at once."""
+
+    def __init__(self, signum):
+        super().__init__(signum)
+        self.signum = signum
+
+
+class _Signals:
+    """SIGINT (Ctrl-C) and SIGTERM from main() on. Outside the epoch loop a
+    signal stops the run at once (Interrupted: one line, status 128 + n);
+    inside it (`deferring`) the first asks the loop to finish its chunk, save
+    and stop, a second abandons the chunk. A signal whose exception Python
+    swallowed (it landed in a finaliser, e.g. JAX's gc callback) stays
+    `pending` and is raised at the next check()."""
 
     def __init__(self):
-        self.requested = False
+        self.pending, self.deferring, self.stopping, self.previous = None, False, False, {}
 
     def __enter__(self):
-        self.previous = signal.signal(signal.SIGINT, self._handle)
+        self.__init__()  # (main may run again in one process)
+        try:
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                self.previous[signum] = signal.signal(signum, self._handle)
+        except ValueError:  # not the main thread (a library caller): leave them
+            pass
+        early = sys.modules.get('harness.early_signals')  # one held during the imports
+        if early is not None and early.pending is not None:
+            self.pending, early.pending = early.pending, None
         return self
 
-    def _handle(self, signum, frame):
-        if self.requested:
-            raise KeyboardInterrupt
-        self.requested = True
-        print('interrupt: finishing this chunk of epochs, then saving (Ctrl-C again to '
-              'abandon it)',
-              file=sys.stderr, flush=True)
-
     def __exit__(self, *exc):
-        signal.signal(signal.SIGINT, self.previous)
+        for signum, handler in self.previous.items():
+            # Stopping for a signal: one more while the process exits changes nothing.
+            signal.signal(signum, handler if self.pending is None else signal.SIG_IGN)
+        self.stopping = False
         return False
+
+    def _handle(self, signum, frame):
+        if self.stopping:  # the line is said; one more signal changes nothing
+            return
+        if self.deferring and self.pending is None:
+            self.pending = signum
+            try:
+                print(f'{signal.Signals(signum).name}: finishing this chunk of epochs, then '
+                      'saving (Ctrl-C again to abandon it)', file=sys.stderr, flush=True)
+            except OSError:
+                pass
+            return
+        self.pending = signum
+        if not _in_finaliser(frame):  # there Python would print it and carry on
+            raise Interrupted(signum)
+
+    def check(self):
+        if self.pending is not None:
+            raise Interrupted(self.pending)
+
+    @contextlib.contextmanager
+    def deferred(self):
+        self.check()
+        self.deferring = True
+        try:
+            yield self
+        finally:
+            self.deferring = False
+
+
+_signals = _Signals()
+
+
+def _in_finaliser(frame):
+    """Is `frame` inside a gc callback (JAX has one) or a __del__?"""
+    callbacks = {getattr(callback, '__code__', None) for callback in gc.callbacks}
+    while frame is not None:
+        if frame.f_code in callbacks or frame.f_code.co_name == '__del__':
+            return True
+        frame = frame.f_back
+    return False
 
 
 def config_differences(saved, current):
@@ -144,6 +236,21 @@ def main(config_cls, make_agent, check_hyperparameters, prog, description, argv=
     not given: from the env's settings, and on resume from the saved config
     (defaults < env settings < saved config < flags given); check every run's
     hyperparameters, then run (or resume, or only evaluate) the experiment."""
+    with _signals, rundir.matplotlib_config_dir():
+        try:
+            _signals.check()
+            return _main(config_cls, make_agent, check_hyperparameters, prog, description,
+                         argv, env_settings, settings_mode_field)
+        except Interrupted as stop:
+            _fail(prog, f'interrupted ({signal.Signals(stop.signum).name}) before the first '
+                        'epoch; nothing was run', status=128 + stop.signum)
+        except StdoutLost as error:
+            _silence_stdout()
+            _fail(prog, f'cannot write to stdout ({error}); nothing was run', status=1)
+
+
+def _main(config_cls, make_agent, check_hyperparameters, prog, description, argv,
+          env_settings, settings_mode_field):
     parser = flags.build_parser(config_cls, prog, description, env_settings)
     args = parser.parse_args(argv)
     args.given = flags.given_flags(parser, argv)
@@ -154,17 +261,21 @@ def main(config_cls, make_agent, check_hyperparameters, prog, description, argv=
         if saved is not None:  # resume: what the command line leaves out is the saved run's
             flags.take_saved_config(config_cls, args, saved)
         elif applied and not args.quiet:
-            print(f'{prog}: settings for {args.env}: {flags.settings_flags(applied)}'
-                  + ' (a flag on the command line overrides each)', flush=True)
+            say(f'{prog}: settings for {args.env}: {flags.settings_flags(applied)}'
+                ' (a flag on the command line overrides each)')
         elif applied is None and not args.quiet:
             mode = flags.settings_flags({settings_mode_field: env_settings[args.env][settings_mode_field]})
-            print(f'{prog}: the settings for {args.env} are for {mode}: not applied to '
-                  f'{flags.settings_flags({settings_mode_field: getattr(args, settings_mode_field)})}',
-                  flush=True)
+            say(f'{prog}: the settings for {args.env} are for {mode}: not applied to '
+                f'{flags.settings_flags({settings_mode_field: getattr(args, settings_mode_field)})}')
         config, grid = flags.config_and_grid(config_cls, args)
         flags.check_run_flags(args)
-        common.check_fields(config, grid)
-        check_hyperparameters(config, common.expand_runs(config, grid, args.seed, 1))
+        flags.check_schedule(config, args.given)
+
+        def check(config, grid):
+            common.check_fields(config, grid)
+            check_hyperparameters(config, common.expand_runs(config, grid, args.seed, 1))
+        check(config, grid)
+        flags.check_as_float32(config, grid, check)
     except common.UsageError as error:
         parser.error(str(error))
     return run_experiment(make_agent, config, grid, args, prog)
@@ -191,23 +302,63 @@ def run_experiment(make_agent, config, grid, args, prog):
 
 def _run_experiment(make_agent, config, grid, args, prog):
     run = _set_up(make_agent, config, grid, args, prog)
-    with _writer_lock(run.output_dir):  # one writer per run dir, from here on
-        return _locked_experiment(run, args, prog)
+    try:
+        with _writer_lock(run.output_dir):  # one writer per run dir, from here on
+            return _locked_experiment(run, args, prog)
+    except Interrupted as stop:
+        _fail(prog, f'interrupted ({signal.Signals(stop.signum).name}); {_kept(run)}',
+              status=128 + stop.signum)
+    except StdoutLost as error:
+        _silence_stdout()
+        _fail(prog, f'cannot write to stdout ({error}); {_kept(run)}', status=1)
+    except OSError as error:  # a full disk, EIO, a permission: what, where, what is kept
+        what = repr(error.filename) if error.filename else 'OS error'
+        _fail(prog, f'{what}: {error.strerror or error} ({errno.errorcode.get(error.errno, "?")}'
+                    f'); {_kept(run)}', status=1)
+
+
+def _kept(run):
+    """What a stopped run leaves: the epoch of its last whole checkpoint."""
+    for path in (run.checkpoint_path, run.previous_path):
+        try:
+            epoch = rundir.read_run_metadata(path)['epoch']
+        except (ValueError, KeyError, TypeError):
+            continue
+        if epoch >= run.config.epochs:
+            return (f'all {epoch} epochs are saved in {run.output_dir}; rerun with '
+                    f'--output-dir {run.output_dir} to write the summary')
+        return (f'the checkpoint of epoch {epoch} in {run.output_dir} is kept; rerun with '
+                f'--output-dir {run.output_dir} to resume from it')
+    return f'no checkpoint was saved in {run.output_dir}; nothing to resume'
 
 
 def _locked_experiment(run, args, prog):
-    _find_saved_run(run)
+    _find_saved_run(run, args.only_eval)
     state, phases = _compile_phases(run, args)
+    _signals.check()  # one that landed where Python swallows it (a gc callback)
     if run.resuming:
         state = _restore(run, state)
-    elif not args.only_eval and devices.is_writer():
-        rundir.atomic_write_bytes(os.path.join(run.output_dir, 'config.json'),
-                           json.dumps(run.run_config, indent=2).encode())
+    if not args.only_eval and devices.is_writer():
+        _write_config(run)
     if args.only_eval:
         return _only_eval(run, phases, state, args)
     last = _epoch_loop(run, phases, state, args, prog)
     _finish(run, args)
     return last
+
+
+def _write_config(run):
+    """config.json, the run's config as the checkpoint holds it (with this
+    command's --epochs): rewritten when deleted or edited by hand."""
+    path = os.path.join(run.output_dir, 'config.json')
+    data = json.dumps(run.run_config, indent=2).encode()
+    try:
+        with open(path, 'rb') as f:
+            if f.read() == data:
+                return
+    except OSError:
+        pass
+    rundir.atomic_write_bytes(path, data)
 
 
 @dataclasses.dataclass
@@ -224,6 +375,7 @@ class _Run:
     resuming: bool
     wall_start: float
     batch_invariant: bool = True  # --batch-invariant
+    pad: int = 0  # copies of runs that keep every device at 2+ runs (lone_run_padding)
     compile_s: float = 0.0
     start_epoch: int = 0
     history: list = dataclasses.field(default_factory=list)  # metric records so far
@@ -244,7 +396,8 @@ class _Run:
 def _set_up(make_agent, config, grid, args, prog):
     """Check the flags and the output dir before compiling; write nothing."""
     wall_start = time.time()
-    flags.enable_compile_cache(getattr(args, 'compile_cache', None))
+    flags.enable_compile_cache(getattr(args, 'compile_cache', None),
+                               explicit='compile_cache' in getattr(args, 'given', ()))
     flags.check_run_flags(args)
     if getattr(args, 'tensorboard', True) and importlib.util.find_spec('tensorboardX') is None:
         raise common.UsageError('TensorBoard summaries need the tensorboardX package '
@@ -253,8 +406,10 @@ def _set_up(make_agent, config, grid, args, prog):
     devices.check_same_flags(args)
     runs = common.expand_runs(config, grid, args.seed, args.num_seeds)
     agent = make_agent(config)  # validates the config and the env
-    hp = common.hyperparameters(config, runs)
+    flags.check_flags_act(config, agent, getattr(args, 'given', set()))
     sharding = devices._run_sharding(len(runs), args.device)
+    pad = devices.lone_run_padding(len(runs), sharding, getattr(args, 'batch_invariant', True))
+    hp = _pad_rows(common.hyperparameters(config, runs), pad)
 
     output_dir = args.output_dir
     if output_dir is None:
@@ -265,7 +420,7 @@ def _set_up(make_agent, config, grid, args, prog):
             'runs', f'{agent.name}_{config.env}_s{args.seed}_{now.strftime("%Y%m%d-%H%M%S")}')
     checkpoint_path = os.path.join(output_dir, 'checkpoint.npz')
     with devices.agreement():  # this host's memory and (process 0) files
-        devices.check_memory(agent, hp, jax.ShapeDtypeStruct((len(runs), 2), jnp.uint32),
+        devices.check_memory(agent, hp, jax.ShapeDtypeStruct((len(runs) + pad, 2), jnp.uint32),
                      sorted(sharding.device_set, key=lambda device: device.id),
                      agent.memory_flags)
         if devices.is_writer():
@@ -281,12 +436,29 @@ def _set_up(make_agent, config, grid, args, prog):
     # Each run's key is PRNGKey(its seed), built in one call (not one per run).
     keys = jax.vmap(jax.random.PRNGKey)(jnp.asarray([run['seed'] for run in runs], jnp.int32))
     return _Run(agent=agent, config=config, runs=runs, hp=devices.put_global(hp, sharding),
-                keys=devices.put_global(keys, sharding), sharding=sharding, output_dir=output_dir,
-                run_config=run_config, resuming=False, wall_start=wall_start,
-                batch_invariant=getattr(args, 'batch_invariant', True))
+                keys=devices.put_global(_pad_rows(keys, pad), sharding), sharding=sharding,
+                output_dir=output_dir, run_config=run_config, resuming=False,
+                wall_start=wall_start, batch_invariant=getattr(args, 'batch_invariant', True),
+                pad=pad)
 
 
-def _find_saved_run(run):
+def _pad_rows(tree, pad):
+    """[n_runs, ...] leaves with `pad` copies of the first runs appended (the
+    device padding of devices.lone_run_padding)."""
+    if not pad:
+        return tree
+    return jax.tree.map(lambda leaf: np.concatenate([np.asarray(leaf), np.asarray(leaf)[:pad]]),
+                        tree)
+
+
+def _real_rows(run, tree):
+    """The runs' own rows of gathered [n_rows, ...] leaves: the padding dropped."""
+    if not run.pad:
+        return tree
+    return jax.tree.map(lambda leaf: leaf[:len(run.runs)], tree)
+
+
+def _find_saved_run(run, only_eval):
     """Is there a run to resume (process 0 decides)? Refuse a broken checkpoint
     or another config before compiling."""
     if devices.is_writer() and not os.path.exists(run.checkpoint_path) \
@@ -294,34 +466,94 @@ def _find_saved_run(run):
         # A crash between the two renames of a save: the previous one is whole.
         os.replace(run.previous_path, run.checkpoint_path)
     run.resuming = bool(devices.from_process_0(os.path.exists(run.checkpoint_path)))
+    with devices.agreement():
+        if not run.resuming and devices.is_writer():
+            _refuse_overwriting(run)
     with devices.agreement():  # every process reads the checkpoint to resume
         if run.resuming and not os.path.exists(run.checkpoint_path):
             raise common.UsageError(f'process 0 resumes from {run.checkpoint_path}, which this '
                              'process cannot see; --output-dir must be on a filesystem every '
                              'process shares')
         if run.resuming:
-            _check_saved_config(run)
+            epoch = _check_saved_config(run)['epoch']
+            if devices.is_writer() and not only_eval:  # what the run rewrites must be whole
+                rundir.check_history(rundir.read_history(run.metrics_path, epoch), epoch,
+                                     len(run.runs), run.metrics_path)
+
+
+def _previous_hint(run):
+    """What to do about a damaged checkpoint.npz: use the previous one, if it is whole."""
+    if not os.path.exists(run.previous_path):
+        return '; there is no previous checkpoint: start a new --output-dir'
+    try:
+        epoch = rundir.read_run_metadata(run.previous_path)['epoch']
+    except ValueError:
+        return (f'; the previous checkpoint {run.previous_path} is damaged too: start a new '
+                '--output-dir')
+    return (f'; the previous checkpoint {run.previous_path} (epoch {epoch}) is intact: move '
+            f'it to {run.checkpoint_path} to resume from it')
+
+
+def _refuse_overwriting(run):
+    """A new run in a directory with no checkpoint: refuse it where the files
+    there are not this run's first epochs, redone bitwise (a finished run whose
+    checkpoint was deleted, another config's files)."""
+    if os.path.exists(os.path.join(run.output_dir, 'summary.json')):
+        raise common.UsageError(
+            f'{run.output_dir} holds a finished run (summary.json) but no checkpoint.npz to '
+            'resume from; restore it, or start a new --output-dir')
+    try:
+        with open(os.path.join(run.output_dir, 'config.json')) as f:
+            recorded = json.load(f)
+    except (OSError, ValueError):
+        return  # none (or unreadable): nothing recorded to protect
+    differing = config_differences(recorded, run.run_config) if isinstance(recorded, dict) \
+        else ['config.json']
+    if differing:
+        raise common.UsageError(
+            f'{run.output_dir} holds the files of another run (config.json differs: '
+            f'{", ".join(differing[:5])}) and no checkpoint; start a new --output-dir')
 
 
 def _check_saved_config(run):
     """The saved run's config must be this one, up to HARMLESS_FIELDS."""
     try:
-        saved = rundir.read_checkpoint_metadata(run.checkpoint_path)
+        saved = rundir.read_run_metadata(run.checkpoint_path)
     except ValueError as error:
-        hint = (f'; the previous checkpoint {run.previous_path} is intact: move it to '
-                f'{run.checkpoint_path} to resume from it' if os.path.exists(run.previous_path)
-                else '')
-        raise ValueError(f'{error}{hint}') from None
+        raise ValueError(f'{error}{_previous_hint(run)}') from None
     differing = config_differences(saved['config'], run.run_config)
     if differing == ['lr_decay_epochs']:  # --epochs grew; the schedule is pinned
         raise common.UsageError(flags.pinned_schedule_message(run.output_dir,
                                                  saved['config']['lr_decay_epochs']))
+    _check_same_devices(run, saved.get('devices'))
     if differing:
         raise common.UsageError(
             f'{run.output_dir} holds a run with a different config; differing: '
             + ', '.join(f'{name} (saved {saved["config"].get(name)!r}, now '
                         f'{run.run_config.get(name)!r})' for name in differing)
             + '; use another --output-dir')
+    return saved
+
+
+# Observations up to this many values: sharded results are bitwise those of
+# one device (tested on CartPole's 4); wider ones were seen to differ (README).
+BITWISE_OBS_SIZE = 4
+
+
+def _check_same_devices(run, saved_devices):
+    """Refuse a resume on another number of devices where that would change
+    the numbers: runs whose observations are wider than BITWISE_OBS_SIZE."""
+    now = len(run.sharding.device_set)
+    spec = run.agent.spec
+    obs_size = int(np.prod(getattr(spec, 'obs_shape', None) or spec.policy.obs_shape))
+    if saved_devices is None or saved_devices == now or obs_size <= BITWISE_OBS_SIZE \
+            or next(iter(run.sharding.device_set)).platform != 'cpu':
+        return
+    raise common.UsageError(
+        f'{run.output_dir} was run on {saved_devices} device(s), this run would use {now}: '
+        f'with {obs_size} observation values the sharded program differs from one device in '
+        f'the last bits (README, sharding); resume on {saved_devices} device(s)'
+        + (' (--device 0 for one)' if saved_devices == 1 else ''))
 
 
 def _compile_phases(run, args):
@@ -359,7 +591,7 @@ def _compiled(run, function, *example):
 def _plan(run, start, n):
     """The chunk's traced plan, one identical row per run (sharded as the runs)."""
     row = [start, n, run.config.epochs, common.evaluation_period(run.config)]
-    return devices.put_global(np.tile(np.asarray(row, np.int32), (len(run.runs), 1)),
+    return devices.put_global(np.tile(np.asarray(row, np.int32), (len(run.runs) + run.pad, 1)),
                               run.sharding)
 
 
@@ -367,10 +599,13 @@ def _restore(run, state):
     """Load the checkpoint into `state`'s structure; set start_epoch and history."""
     config = run.config
     with devices.agreement():
-        restored, saved = rundir.load_checkpoint(run.checkpoint_path, state)
-    state = devices.put_global(restored, run.sharding)
+        template = jax.tree.map(  # the runs' own rows, as the checkpoint holds them
+            lambda leaf: jax.ShapeDtypeStruct((len(run.runs), *leaf.shape[1:]), leaf.dtype), state)
+        restored, saved = rundir.load_checkpoint(run.checkpoint_path, template)
+    state = devices.put_global(_pad_rows(restored, run.pad), run.sharding)
     run.start_epoch = saved['epoch']
-    run.history = rundir.read_history(run.metrics_path, run.start_epoch) if devices.is_writer() else []
+    if devices.is_writer():
+        run.history = rundir.read_history(run.metrics_path, run.start_epoch)
     # Trax's check that the trainer is at an epoch boundary.
     for step in np.unique(np.asarray(restored.train_step)):
         try:
@@ -387,14 +622,14 @@ def _restore(run, state):
 def _only_eval(run, phases, state, args):
     """--only-eval: one evaluation of the saved parameters, into eval.jsonl."""
     _, metrics = phases['evaluate'](run.hp, state)
-    metrics = devices.gather(metrics)
+    metrics = _real_rows(run, devices.gather(metrics))
     if not devices.is_writer():
         return metrics
     records = rundir.metric_records(run.start_epoch, metrics, run.runs)
     rundir.write_jsonl(os.path.join(run.output_dir, 'eval.jsonl'), records)
     if not args.quiet:
         for name, values in metrics.items():
-            print(f'epoch {run.start_epoch} {name}: {_mean_min(values)}')
+            say(f'epoch {run.start_epoch} {name}: {_mean_min(values)}')
     return metrics
 
 
@@ -404,7 +639,7 @@ def _run_chunk(run, phases, state, start, n):
     epochs share its mean epoch time."""
     chunk_start = time.time()
     state, metrics, finite = phases['chunk'](run.hp, state, _plan(run, start, n))
-    metrics, finite = devices.gather((metrics, finite))  # waits for the chunk
+    metrics, finite = _real_rows(run, devices.gather((metrics, finite)))  # waits for the chunk
     seconds = (time.time() - chunk_start) / n
     evaluated = {common.eval_key(*tag) for tag in run.agent.eval_tags}
     epochs = []
@@ -450,43 +685,70 @@ def _epoch_loop(run, phases, state, args, prog):
             (json.dumps(record) + '\n').encode() for record in run.history))
     last, epoch = {}, run.start_epoch
     progress = _Progress(run)
-    with _Interrupt() as interrupt, _Saver(run) as saver, \
+    with _signals.deferred(), _Saver(run) as saver, \
             rundir.Summaries(run.output_dir, run.runs, run.run_config, run.history,
                       enabled=getattr(args, 'tensorboard', True) and devices.is_writer()) as summaries:
         while epoch < config.epochs:
             n = _chunk_size(run, phases['length'], progress, epoch, args)
             state, epochs, finite = _run_chunk(run, phases, state, epoch, n)
             _nan_guard(epochs, finite, saver, run.output_dir, prog)
-            records = [record for number, metrics in epochs
-                       for record in rundir.metric_records(number, metrics, run.runs)]
-            run.history.extend(records)
-            # Metrics first, then the checkpoint: a crash between the two leaves
-            # lines of epochs the resumed run recomputes identically.
-            if devices.is_writer():
-                rundir.write_jsonl(run.metrics_path, records)
-                summaries.write(records)
+            _record(run, epochs, summaries)
             epoch, last = epochs[-1]
             progress.update(epoch, epochs)
-            interrupted = devices.any_process(interrupt.requested)  # all processes stop together
+            lost = _show(progress.line(epoch, last), args)
+            # Every process stops together: a signal or a lost stdout on any.
+            stop = devices.any_process(_signals.pending is not None or lost is not None)
             out_of_time = progress.out_of_time(epoch, getattr(args, 'time_limit', None))
             every = config.checkpoint_every
             if (epoch % every == 0 if every else saver.due()) or epoch == config.epochs \
-                    or interrupted or out_of_time:
+                    or stop or out_of_time:
                 saver.save(state, epoch)
-            if not args.quiet and devices.is_writer():
-                print(progress.line(epoch, last), flush=True)
-            if interrupted:
+            if stop:
                 saver.wait()
-                if devices.is_writer():
-                    print(f'interrupted after epoch {epoch}; rerun with --output-dir '
-                          f'{run.output_dir} to resume', file=sys.stderr)
-                sys.exit(130)
+                _stop_after(run, epoch, lost, prog)
             if out_of_time and epoch < config.epochs:
-                if not args.quiet and devices.is_writer():
-                    print(f'time limit: stopped after epoch {epoch} of {config.epochs}; rerun '
-                          f'with --output-dir {run.output_dir} to go on', flush=True)
+                if devices.is_writer():
+                    _show(f'time limit: stopped after epoch {epoch} of {config.epochs}; rerun '
+                          f'with --output-dir {run.output_dir} to go on', args)
                 break
     return last
+
+
+def _record(run, epochs, summaries):
+    """A chunk's metric records into the history, metrics.jsonl and TensorBoard."""
+    records = [record for number, metrics in epochs
+               for record in rundir.metric_records(number, metrics, run.runs)]
+    run.history.extend(records)
+    # Metrics first, then the checkpoint: a crash between the two leaves
+    # lines of epochs the resumed run recomputes identically.
+    if devices.is_writer():
+        rundir.write_jsonl(run.metrics_path, records)
+        summaries.write(records)
+
+
+def _show(line, args):
+    """A progress line (unless --quiet; process 0's) -> None, or the StdoutLost
+    that stops the run once its state is saved."""
+    if args.quiet or not devices.is_writer():
+        return None
+    try:
+        say(line)
+    except StdoutLost as error:
+        return error
+    return None
+
+
+def _stop_after(run, epoch, lost, prog):
+    """A signal or a lost stdout after `epoch`, its checkpoint saved: stop
+    (status 128 + n, or 1), unless that was the last epoch: then the signal is
+    spent and the run finishes its summary."""
+    if lost is not None:
+        raise lost
+    if epoch < run.config.epochs:
+        signum = _signals.pending or signal.SIGINT  # (another process's: SIGINT)
+        _fail(prog, f'interrupted ({signal.Signals(signum).name}) after epoch {epoch} of '
+                    f'{run.config.epochs}; {_kept(run)}', status=128 + signum)
+    _signals.pending = None
 
 
 def _nan_guard(epochs, finite, saver, output_dir, prog):
@@ -518,7 +780,7 @@ class _Saver:
             int(time.time() - self.saved_at >= CHECKPOINT_SECONDS)))
 
     def save(self, state, epoch):
-        whole_state = devices.gather(state)  # every process takes part
+        whole_state = _real_rows(self.run, devices.gather(state))  # every process takes part
         self.wait()
         self.saved_at = time.time()
         if devices.is_writer():
@@ -528,7 +790,8 @@ class _Saver:
     def _write(self, whole_state, epoch):
         try:
             rundir.save_checkpoint(self.run.checkpoint_path, whole_state,
-                                   {'config': self.run.run_config, 'epoch': epoch},
+                                   {'config': self.run.run_config, 'epoch': epoch,
+                                    'devices': len(self.run.sharding.device_set)},
                                    previous=self.run.previous_path)
             self.saved_epoch = epoch
         except BaseException as error:  # noqa: B902 (re-raised in the driver)
@@ -603,15 +866,26 @@ def _finish(run, args):
                              os.path.join(run.output_dir, 'learning_curve.png'))
     if not args.quiet:
         finals = summary['final_eval_return']
-        print(f'done: {len(run.runs)} run(s), final greedy return {_mean_min(finals)}, '
-              f'wall {summary["wall_s"]:.1f}s (compile {run.compile_s:.1f}s), '
-              f'results in {run.output_dir}')
+        say(f'done: {len(run.runs)} run(s), final greedy return {_mean_min(finals)}, '
+            f'wall {summary["wall_s"]:.1f}s (compile {run.compile_s:.1f}s), '
+            f'results in {run.output_dir}')
+
+
+def _final_eval_key(agent, config):
+    """The greedy evaluation summary.json reports: temperature 0 at the
+    episode cap if evaluated, else the longest greedy horizon, else the first
+    tag; None without evaluation."""
+    if not agent.eval_tags or getattr(config, 'n_eval_episodes', 1) == 0:
+        return None
+    greedy = [tag for tag in agent.eval_tags if tag[0] == 0]
+    tag = max(greedy, key=lambda tag: tag[1]) if greedy else agent.eval_tags[0]
+    return common.eval_key(*tag)
 
 
 def _summary(agent, config, runs, history, wall_start, compile_s, batch_invariant):
     final_epoch = max((record['epoch'] for record in history), default=0)
     final = sorted((r for r in history if r['epoch'] == final_epoch), key=lambda r: r['run'])
-    key = common.eval_key(0.0, agent.max_steps)
+    key = _final_eval_key(agent, config)
     return {
         'algorithm': agent.name,
         'env': config.env,

@@ -338,6 +338,25 @@ def _run_sharding(n_runs, device):
     return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec('runs'))
 
 
+def lone_run_padding(n_runs, sharding, batch_invariant):
+    """Copies of runs to add so that no device of a sharded CPU program holds
+    a single run: XLA CPU compiles a vmapped program of one run in another
+    order than one of two or more (the last bits differ), so without them N
+    runs on N devices would differ from N runs on one. (A lone run, never
+    sharded, is left alone: see the README.)"""
+    if not batch_invariant or not isinstance(sharding, jax.sharding.NamedSharding):
+        return 0
+    devices = sharding.device_set
+    if next(iter(devices)).platform != 'cpu' or n_runs != len(devices):
+        return 0
+    return n_runs
+
+
+def runs_per_device(n_rows, sharding):
+    """How many runs (padding included) each device computes."""
+    return n_rows // len(sharding.device_set)
+
+
 def _out_of_memory(error):
     text = str(error)
     return isinstance(error, MemoryError) or 'RESOURCE_EXHAUSTED' in text \

@@ -6,10 +6,13 @@ settings < a saved run's config < flags typed on the command line."""
 import argparse
 import copy
 import dataclasses
+import decimal
 import os
+import sys
 import typing
 
 import jax
+import numpy as np
 
 import common
 from harness import devices
@@ -23,14 +26,21 @@ class ArgumentParser(argparse.ArgumentParser):
         self.exit(2, f'{self.prog}: error: {message}\n')
 
 
+def _parse_int(text):
+    """An int written as one ('12') or as a whole number ('1e3'), exactly:
+    never through a float, so '1e999' or 'inf' is an error, not an overflow."""
+    try:
+        value = decimal.Decimal(text)
+    except decimal.InvalidOperation:
+        raise ValueError from None
+    if not value.is_finite() or value.adjusted() > 30 or value != value.to_integral_value():
+        raise ValueError
+    return int(value)
+
+
 def _parse_scalar(kind, text, flag):
     try:
-        if kind is int:
-            value = float(text)
-            if value != int(value):
-                raise ValueError
-            return int(value)
-        return kind(text)
+        return _parse_int(text) if kind is int else kind(text)
     except ValueError:
         raise argparse.ArgumentTypeError(
             f'{flag}: expected {kind.__name__}, got {text!r}') from None
@@ -57,11 +67,36 @@ DEFAULT_COMPILE_CACHE = os.environ.get(
     'JAX_COMPILATION_CACHE_DIR', os.path.join(os.path.expanduser('~'), '.cache', 'trax-rl-jax'))
 
 
-def enable_compile_cache(path):
-    """Persist compiled programs on disk (JAX's own cache) unless path is 'none'."""
-    if path and path.lower() != 'none':
-        jax.config.update('jax_compilation_cache_dir', path)
-        jax.config.update('jax_persistent_cache_min_compile_time_secs', 0.2)
+def enable_compile_cache(path, explicit=True):
+    """Persist compiled programs on disk (JAX's own cache) unless path is 'none'.
+    A directory that cannot be used is refused in one line when given on the
+    command line; the default (under a read-only HOME) is skipped with a note,
+    never left to JAX's warnings on every compile."""
+    if not path or path.lower() == 'none':
+        return
+    problem = unusable_directory(path)
+    if problem and explicit:
+        raise common.UsageError(f'--compile-cache {path}: {problem} (--compile-cache none '
+                                'compiles without a cache)')
+    if problem:
+        print(f'note: no compile cache ({path}: {problem}); every program compiles from '
+              'scratch (--compile-cache DIR elsewhere, or none)', file=sys.stderr, flush=True)
+        return
+    jax.config.update('jax_compilation_cache_dir', path)
+    jax.config.update('jax_persistent_cache_min_compile_time_secs', 0.2)
+
+
+def unusable_directory(path):
+    """Why `path` cannot be a directory this process writes, or None if it can."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        return 'exists and is not a directory'
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as error:
+        return error.strerror or str(error)
+    if not os.access(path, os.W_OK | os.X_OK):
+        return 'not writable'
+    return None
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -150,9 +185,11 @@ def _add_run_flags(parser):
                           'seed and grid point: every metric of metrics.jsonl at step = '
                           'epoch, and the config as text')
     run.add_argument('--batch-invariant', default=True, action=argparse.BooleanOptionalAction,
-                     help='CPU: bitwise the same numbers for a run alone, in a grid or sharded '
-                          '(XLA without its algebraic simplifier and YNNPACK fusions other '
-                          'than matmuls)')
+                     help='CPU: bitwise the same numbers for a run in any grid, sharded over '
+                          'any number of devices (XLA without its algebraic simplifier and '
+                          'YNNPACK fusions other than matmuls; no device computes a single '
+                          'run of a sharded program); a lone run differs in the last bits '
+                          '(docs/usage.md)')
     run.add_argument('--compile-cache', default=DEFAULT_COMPILE_CACHE,
                      help="XLA's persistent compilation cache dir ('none': off); a rerun "
                           'of the same program skips most of its compile time')
@@ -260,7 +297,7 @@ def saved_run_config(output_dir):
         path = os.path.join(output_dir, name)
         if os.path.isfile(path):
             try:
-                return rundir.read_checkpoint_metadata(path)['config']
+                return rundir.read_run_metadata(path)['config']
             except (ValueError, KeyError, TypeError):
                 continue  # gone (a save's rename) or broken: try the previous one
     return None
@@ -327,3 +364,109 @@ def check_run_flags(args):
     if not 1 <= timeout <= 86400:
         raise common.UsageError(f'--coordinator-timeout must be in [1, 86400] seconds, got {timeout:g}')
     devices.check_process_flags(args)
+
+
+def _as_float32(value):
+    with np.errstate(over='ignore', under='ignore'):
+        return float(np.float32(value))
+
+
+def float32_values(config, grid, names):
+    """(config, grid) with the float fields in `names` as float32 holds them
+    (each tuple entry and sweep value): the values the compiled program sees."""
+    kinds = common._field_kinds(type(config))
+    def cast(name, value):
+        if value is None or kinds[name][0] is not float:
+            return value
+        return tuple(map(_as_float32, value)) if kinds[name][1] else _as_float32(value)
+    changes = {name: cast(name, getattr(config, name)) for name in names}
+    grid = {name: [cast(name, value) for value in values] if name in names else values
+            for name, values in (grid or {}).items()}
+    return dataclasses.replace(config, **changes), grid
+
+
+def check_as_float32(config, grid, check):
+    """`check(config, grid)` (the fields' bounds and the cross-field rules) on
+    the values as float32: a value that passes in float64 but rounds onto a
+    bound or out of range in float32 (--gamma 0.99999999 is 1, --lr 1e300 is
+    inf, 1e-50 is 0) is refused, naming what it becomes."""
+    kinds = common._field_kinds(type(config))
+    floats = [name for name, (kind, _, _) in kinds.items() if kind is float]
+    try:
+        check(*float32_values(config, grid, floats))
+    except common.UsageError as error:
+        def typed(name):  # every value given for the field, as typed and as float32
+            values = (grid or {}).get(name, [getattr(config, name)])
+            entries = [entry for value in values if value is not None
+                       for entry in (value if kinds[name][1] else (value,))]
+            return [(entry, _as_float32(entry)) for entry in entries  # visibly moved
+                    if float(f'{_as_float32(entry):.7g}') != entry]
+        def fails_alone(name):
+            try:
+                check(*float32_values(config, grid, [name]))
+            except common.UsageError:
+                return True
+            return False
+        culprits = [name for name in floats if typed(name) and fails_alone(name)] or \
+            [name for name in floats if typed(name)]
+        said = ', '.join(f'--{name.rstrip("_").replace("_", "-")} {entry!r} is {value:g}'
+                         for name in culprits for entry, value in typed(name))
+        raise common.UsageError(f'{error} (in float32, the precision the program computes '
+                                f'in: {said})') from None
+
+
+def _flag(name):
+    return '--' + name.rstrip('_').replace('_', '-')
+
+
+def check_schedule(config, given):
+    """The learning-rate schedule names a factor, and each schedule flag typed
+    on the command line has a factor it acts on."""
+    if not hasattr(config, 'lr_schedule'):
+        return
+    names = [name.strip() for name in config.lr_schedule.split('*') if name.strip()]
+    if not names:
+        raise common.UsageError(f'--lr-schedule {config.lr_schedule!r} names no factor '
+                                "(e.g. 'constant' or 'constant * linear_decay')")
+    acts_on = {'lr': 'constant', 'value_lr': 'constant', 'lr_decay_epochs': 'linear_decay',
+               'warmup_steps': ('linear_warmup', 'rsqrt_decay')}
+    for name, factors in acts_on.items():
+        factors = (factors,) if isinstance(factors, str) else factors
+        if name in given and hasattr(config, name) and not set(factors) & set(names):
+            raise common.UsageError(
+                f'{_flag(name)} has no effect: --lr-schedule {config.lr_schedule!r} has no '
+                f'{" or ".join(factors)} factor')
+
+
+# Fields that act only on Box (continuous) actions, and only with gSDE.
+BOX_ONLY = ('state_dependent_exploration', 'init_log_std', 'sde_sample_freq')
+EVALUATION_ONLY = ('eval_steps', 'eval_temperatures', 'eval_every')
+
+
+def check_flags_act(config, agent, given):
+    """Refuse a flag typed on the command line that cannot act on this env or
+    mode (it would be saved, and bind a resume, while changing nothing)."""
+    defaults = {field.name: field.default for field in dataclasses.fields(config)}
+    given = {name for name in given if name in defaults
+             and getattr(config, name) != defaults[name]}  # the default does nothing anyway
+    policy = getattr(agent.spec, 'policy', None)
+    if policy is not None and policy.kind != 'box':
+        for name in BOX_ONLY:
+            if name in given:
+                raise common.UsageError(f'{_flag(name)} acts on Box (continuous) actions '
+                                        f'only; {config.env} has discrete actions')
+    if 'sde_sample_freq' in given and not getattr(config, 'state_dependent_exploration', True):
+        raise common.UsageError('--sde-sample-freq acts with --state-dependent-exploration only')
+    if getattr(config, 'n_eval_episodes', 1) == 0:
+        for name in EVALUATION_ONLY:
+            if name in given:
+                raise common.UsageError(f'{_flag(name)} has no effect with --n-eval-episodes 0 '
+                                        '(no evaluation)')
+    if 'eval_steps' not in given or not config.eval_steps:
+        return
+    _, env_params = common.make_env(config.env, config.max_steps)
+    if hasattr(env_params, 'max_steps_in_episode') and max(config.eval_steps) > agent.max_steps:
+        raise common.UsageError(
+            f'--eval-steps {max(config.eval_steps)}: episodes of {config.env} end by step '
+            f'{agent.max_steps} (--max-steps), so a longer horizon evaluates the same; use at '
+            f'most {agent.max_steps}')

@@ -10,6 +10,8 @@ import io
 import json
 import math
 import os
+import sys
+import tempfile
 import time
 import zipfile
 
@@ -24,18 +26,48 @@ def _leaf_paths(tree):
             for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
 
 
+TEMP_MARK = '.tmp-'  # a temp file is <name>.tmp-<pid> until its rename
+
+
+def _remove_quietly(path):
+    try:
+        os.remove(path)
+    except OSError:
+        pass
+
+
+def _naming(error, path):
+    """An OSError from writing `path` that names it (a write's own lacks it)."""
+    if isinstance(error, OSError) and error.filename is None:
+        error.filename = path
+    return error
+
+
+def remove_temp_files(output_dir):
+    """Temp files of writers that died before their rename (kill -9): called
+    under the run lock, so no live writer owns them."""
+    for path in glob.glob(os.path.join(glob.escape(output_dir), '*' + TEMP_MARK + '*')):
+        _remove_quietly(path)
+
+
 def atomic_write_bytes(path, data, previous=None):
     """Write `data` to `path` via a temp file and a rename; optionally move the
     old file to `previous` first (in the instant between the two renames only
     `previous` exists, and the loader falls back to it)."""
-    tmp = f'{path}.tmp-{os.getpid()}'
-    with open(tmp, 'wb') as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    if previous and os.path.exists(path):
-        os.replace(path, previous)
-    os.replace(tmp, path)
+    tmp = f'{path}{TEMP_MARK}{os.getpid()}'
+    try:
+        with open(tmp, 'wb') as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        if previous and os.path.exists(path):
+            os.replace(path, previous)
+        os.replace(tmp, path)
+    except BaseException as error:  # a full disk, EIO, a signal: leave no temp file
+        _remove_quietly(tmp)
+        if isinstance(error, OSError):
+            error.filename = path  # the file meant, not its temp name
+        raise
     try:
         directory = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
         os.fsync(directory)
@@ -61,6 +93,17 @@ def read_checkpoint_metadata(path):
     return _read_checkpoint(path)[0]['metadata']
 
 
+def read_run_metadata(path):
+    """The metadata of a run's checkpoint, which must hold its config and
+    epoch; ValueError naming the file if unreadable or either is missing."""
+    metadata = read_checkpoint_metadata(path)
+    if not (isinstance(metadata.get('config'), dict) and type(metadata.get('epoch')) is int
+            and metadata['epoch'] >= 0):
+        raise ValueError(f'checkpoint {path} is corrupt: its header lacks the run\'s config '
+                         'or epoch')
+    return metadata
+
+
 def _read_checkpoint(path):
     try:
         with np.load(path, allow_pickle=False) as data:
@@ -69,9 +112,11 @@ def _read_checkpoint(path):
     except FileNotFoundError:
         raise ValueError(f'checkpoint {path} does not exist') from None
     except (OSError, KeyError, ValueError, EOFError, zipfile.BadZipFile, UnicodeDecodeError,
-            NotImplementedError, RuntimeError) as error:  # zipfile raises all of these
+            NotImplementedError, RuntimeError, TypeError) as error:  # zipfile raises all of these
         raise ValueError(f'checkpoint {path} is corrupt or truncated '
                          f'({type(error).__name__}: {error})') from None
+    if not (isinstance(header, dict) and isinstance(header.get('metadata'), dict)):
+        raise ValueError(f'checkpoint {path} is corrupt: its header has no metadata')
     return header, leaves
 
 
@@ -109,26 +154,57 @@ def metric_records(epoch, metrics, runs):
 
 
 def read_history(path, last_epoch):
-    """Records of epochs <= last_epoch from metrics.jsonl (a torn last line is dropped)."""
-    history = []
+    """Records of epochs <= last_epoch from metrics.jsonl, one per (epoch, run)
+    (the last, if repeated); a line that is not a record (a torn last line)
+    is dropped. check_history says whether what is left is whole."""
+    history = {}
     if os.path.exists(path):
-        with open(path) as f:
+        with open(path, errors='replace') as f:
             for line in f:
                 try:
                     record = json.loads(line)
                 except json.JSONDecodeError:
                     continue
-                if record.get('epoch', last_epoch + 1) <= last_epoch:
-                    history.append(record)
-    return history
+                if not (isinstance(record, dict) and type(record.get('epoch')) is int
+                        and type(record.get('run')) is int):
+                    continue
+                if 1 <= record['epoch'] <= last_epoch:
+                    history[record['epoch'], record['run']] = record
+    return [history[key] for key in sorted(history)]
+
+
+def check_history(history, last_epoch, n_runs, path):
+    """ValueError unless `history` holds every run's record of epochs
+    1..last_epoch: the checkpoint cannot recompute past metrics, so a run
+    whose metrics.jsonl lost some must not go on to overwrite it with less."""
+    have = {(record['epoch'], record['run']) for record in history}
+    missing = sorted({epoch for epoch in range(1, last_epoch + 1) for run in range(n_runs)
+                      if (epoch, run) not in have})
+    if not missing:
+        return
+    what = 'is missing' if not os.path.exists(path) else (
+        f'lacks the records of {len(missing)} of epochs 1-{last_epoch} '
+        f'(first {missing[0]}, last {missing[-1]})')
+    raise ValueError(f'{path} {what}, which the checkpoint of epoch {last_epoch} follows '
+                     '(deleted or damaged; the checkpoint cannot recompute past metrics): '
+                     'restore it from a copy, or start a new --output-dir')
 
 
 def write_jsonl(path, records, mode='a'):
-    with open(path, mode) as f:
-        for record in records:
-            f.write(json.dumps(record) + '\n')
-        f.flush()
-        os.fsync(f.fileno())
+    """Append (or write) one JSON line per record; on an OS error the file is
+    cut back to where it was, so no torn line stays."""
+    size = os.path.getsize(path) if mode == 'a' and os.path.exists(path) else 0
+    try:
+        with open(path, mode) as f:
+            f.write(''.join(json.dumps(record) + '\n' for record in records))
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as error:
+        try:
+            os.truncate(path, size)
+        except OSError:
+            pass
+        raise _naming(error, path)
 
 
 def run_names(runs, grid):
@@ -194,7 +270,11 @@ class Summaries:
 
     def __exit__(self, *exc):
         for writer in self.writers:
-            writer.close()
+            try:
+                writer.close()
+            except OSError:
+                if exc[0] is None:
+                    raise
         return False
 
 
@@ -206,7 +286,13 @@ def output_dir_lock(path):
     """Hold an OS lock on path/run.lock (which names our pid) while the block
     runs. The kernel drops it when the process ends however it ends, kill -9
     included, so a lock is never stale; a second process is refused at once."""
-    fd = os.open(os.path.join(path, LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o644)
+    lock_path = os.path.join(path, LOCK_FILE)
+    try:
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as error:
+        raise common.UsageError(f'cannot open the run lock {lock_path}: {error.strerror}'
+                                + ('; remove it (a run makes it a file)'
+                                   if os.path.isdir(lock_path) else '')) from None
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -214,6 +300,7 @@ def output_dir_lock(path):
             raise common.UsageError(f'another run (pid {_lock_holder(fd)}) is writing {path}') from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, f'{os.getpid()}\n'.encode(), 0)
+        remove_temp_files(path)
         yield
     finally:
         os.close(fd)  # releases the lock
@@ -231,6 +318,37 @@ def _lock_holder(fd):
 
 def plot_learning_curves(history, agent, env_name, path):
     """Greedy and training return vs env steps: mean line, min-max band over runs."""
+    with matplotlib_config_dir():
+        _plot(history, agent, env_name, path)
+
+
+@contextlib.contextmanager
+def matplotlib_config_dir():
+    """Matplotlib's config and font cache in a temporary directory where its
+    own (~/.config/matplotlib) cannot be written (a read-only HOME), instead
+    of its warnings (gymnax imports it with its envs); removed afterwards."""
+    home = os.environ.get('XDG_CONFIG_HOME') or os.path.join(os.path.expanduser('~'), '.config')
+    if 'MPLCONFIGDIR' in os.environ or 'matplotlib' in sys.modules or \
+            _writable(os.path.join(home, 'matplotlib')):
+        yield
+        return
+    with tempfile.TemporaryDirectory(prefix='matplotlib-') as directory:
+        os.environ['MPLCONFIGDIR'] = directory
+        try:
+            yield
+        finally:
+            del os.environ['MPLCONFIGDIR']
+
+
+def _writable(directory):
+    try:
+        os.makedirs(directory, exist_ok=True)
+    except OSError:
+        return False
+    return os.access(directory, os.W_OK | os.X_OK)
+
+
+def _plot(history, agent, env_name, path):
     import matplotlib
     matplotlib.use('Agg')
     import matplotlib.pyplot as plt
@@ -263,9 +381,17 @@ def plot_learning_curves(history, agent, env_name, path):
     axis.set_xlabel('env steps per run')
     axis.set_ylabel('return')
     axis.set_title(f'{env_name}: {n_runs} run(s), mean and min-max band')
-    axis.legend(loc='lower right')
+    if axis.lines:
+        axis.legend(loc='lower right')
+    else:  # no episode ended and no evaluation yet: say so rather than warn
+        axis.text(0.5, 0.5, 'no episode has ended yet', ha='center', transform=axis.transAxes)
     figure.tight_layout()
-    tmp = path + '.tmp.png'
-    figure.savefig(tmp, dpi=100)
-    plt.close(figure)
-    os.replace(tmp, path)
+    tmp = f'{path}{TEMP_MARK}{os.getpid()}.png'
+    try:
+        figure.savefig(tmp, dpi=100)
+        os.replace(tmp, path)
+    except BaseException as error:
+        _remove_quietly(tmp)
+        raise _naming(error, path)
+    finally:
+        plt.close(figure)

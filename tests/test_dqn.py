@@ -938,8 +938,7 @@ def test_env_settings_apply_flags_override_and_config_records(monkeypatch, tmp_p
                 'n_eval_episodes': 3, 'scale_value_targets': False, 'double_dqn': False}
     monkeypatch.setattr(dqn, 'ENV_SETTINGS', {'CartPole-v1': settings, 'Acrobot-v1': {'lr': 1.0}})
     tiny = ['--epochs', '1', '--n-envs', '2', '--n-interactions-per-epoch', '8',
-            '--train-steps-per-epoch', '2', '--batch-size', '4', '--eval-steps', '8',
-            '--compile-cache', 'none']
+            '--train-steps-per-epoch', '2', '--batch-size', '4', '--compile-cache', 'none']
     out = tmp_path / 'run'
     # --sync-freq, --n-eval-episodes and --double-dqn typed: they win over the
     # settings (and no evaluation keeps this test's compile short).

@@ -1,0 +1,470 @@
+"""Faults a long run meets, made real where the machine allows: values that
+only break in float32, flags that cannot act, a damaged run directory, a full
+disk (a small tmpfs), a closed pipe and a full device on stdout, signals at
+awkward moments, one run per device, and the messages that name paths.
+
+Each fault must end in one line on stderr, the right status and a directory
+that resumes (or a refusal that says what is damaged); nothing recorded is
+overwritten with less and no temp file is left behind.
+"""
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import types
+import warnings
+
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import dqn  # noqa: E402
+import pg  # noqa: E402
+from harness import cli  # noqa: E402
+from harness import flags  # noqa: E402
+from harness import rundir  # noqa: E402
+
+# tests/test_reliability.py's small DQN: a few tens of ms per epoch.
+SMALL = ['--n-envs', '4', '--n-interactions-per-epoch', '64', '--train-steps-per-epoch', '64',
+         '--batch-size', '32', '--n-eval-episodes', '2', '--eval-steps', '40',
+         '--n-replay-epochs', '3', '--hidden-sizes', '16', '--checkpoint-every', '1',
+         '--no-tensorboard', '--quiet']
+IGNORED = ('timing/', 'rl/n_interactions_per_second')
+
+
+@pytest.fixture(scope='module')
+def cache_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp('xla_cache'))
+
+
+def run_main(main, args, cache_dir, capsys, small=SMALL):
+    """main(argv) in this process -> (status, stderr lines)."""
+    capsys.readouterr()
+    try:
+        main([*small, '--compile-cache', cache_dir, *args])
+        status = 0
+    except SystemExit as stop:
+        status = stop.code
+    return status, capsys.readouterr().err.strip().splitlines()
+
+
+def script(args, cache_dir, env=None, **kwargs):
+    return subprocess.Popen([sys.executable, os.path.join(ROOT, 'dqn.py'), *SMALL,
+                             '--compile-cache', cache_dir, *args], cwd=ROOT, env=env,
+                            stderr=subprocess.PIPE, text=True, **kwargs)
+
+
+def one_line(lines, *needles):
+    assert len(lines) == 1, lines
+    assert 'Traceback' not in lines[0]
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+    return lines[0]
+
+
+def metrics(out):
+    return [{k: v for k, v in json.loads(line).items() if not k.startswith(IGNORED)}
+            for line in open(os.path.join(out, 'metrics.jsonl'))]
+
+
+def temp_files(out):
+    return [name for name in os.listdir(out) if rundir.TEMP_MARK in name]
+
+
+def wait_for_lines(path, count, process, timeout=120):
+    deadline = time.time() + timeout
+    while time.time() < deadline and process.poll() is None:
+        if os.path.exists(path) and sum(1 for _ in open(path)) >= count:
+            return
+        time.sleep(0.005)
+    assert process.poll() is None, 'the run ended before the fault could be made'
+
+
+@contextlib.contextmanager
+def tmpfs(path, size):
+    """A tmpfs of `size` at `path` (root with CAP_SYS_ADMIN), or a skip."""
+    os.makedirs(path)
+    result = subprocess.run(['mount', '-t', 'tmpfs', '-o', f'size={size}', 'tmpfs', path],
+                            capture_output=True, text=True)
+    if result.returncode:
+        pytest.skip(f'cannot mount a tmpfs here ({result.stderr.strip()[:100]})')
+    try:
+        yield path
+    finally:
+        subprocess.run(['umount', '-l', path], capture_output=True)
+
+
+# ---------------------------------------------------------------------------
+# 1. Values as the program uses them; flags that cannot act
+# ---------------------------------------------------------------------------
+
+REFUSED = [
+    (dqn, ['--epochs', 'inf'], 'expected int'),
+    (dqn, ['--seed', '1e999'], 'expected int'),
+    (dqn, ['--hidden-sizes', '8,inf'], 'expected int'),
+    (dqn, ['--epochs', '1e999999999999'], 'expected int'),
+    (dqn, ['--num-seeds', '2.5'], 'expected int'),
+    (dqn, ['--gamma', '0.99999999'], '--gamma 0.99999999 is 1'),
+    (dqn, ['--gamma', '0.9,0.99999999'], '--gamma 0.99999999 is 1'),
+    (dqn, ['--lr', '1e300'], 'is inf'),
+    (dqn, ['--lr', '1e-50'], 'is 0'),
+    (dqn, ['--eval-temperatures', '0,1e39'], 'is inf'),
+    (dqn, ['--lr-schedule', '*'], 'names no factor'),
+    (dqn, ['--lr-schedule', 'linear_decay', '--lr', '0.01'], '--lr has no effect'),
+    (dqn, ['--lr-schedule', 'constant', '--lr-decay-epochs', '5'], '--lr-decay-epochs has no'),
+    (dqn, ['--eval-steps', '100000'], 'use at most 500'),
+    (dqn, ['--n-eval-episodes', '0', '--eval-every', '2'], 'no evaluation'),
+    (pg, ['--state-dependent-exploration'], 'discrete actions'),
+    (pg, ['--init-log-std', '-1'], 'discrete actions'),
+    (pg, ['--env', 'Pendulum-v1', '--sde-sample-freq', '4'], 'with --state-dependent'),
+]
+
+
+@pytest.mark.parametrize('module,args,needle', REFUSED,
+                         ids=[' '.join(args) for _, args, _ in REFUSED])
+def test_values_that_do_not_fit_or_cannot_act_are_one_line(module, args, needle, tmp_path,
+                                                           capsys):
+    out = str(tmp_path / 'run')
+    status, err = run_main(module.main, [*args, '--output-dir', out], 'none', capsys,
+                           small=SMALL if module is dqn else ['--quiet'])
+    assert status == 2
+    one_line(err, needle)
+    assert not os.path.exists(out)
+
+
+def test_ints_parse_exactly_and_float32_keeps_what_fits():
+    parse = flags._flag_parser(int, False, False, False, '--epochs')
+    assert parse('1e3') == 1000 and parse('12') == 12 and parse('-0') == 0
+    assert parse(str(2 ** 70)) == 2 ** 70  # exact, and check_fields bounds it (int32)
+    checked = []
+    config = dqn.Config(gamma=0.9999999)  # float32 0.99999988: < 1, accepted
+    flags.check_as_float32(config, {}, lambda c, g: checked.append(c.gamma))
+    assert checked == [float(np.float32(0.9999999))] and checked[0] < 1
+
+
+def test_a_flag_at_its_default_is_never_refused_as_unable_to_act():
+    agent = types.SimpleNamespace(spec=types.SimpleNamespace(
+        policy=types.SimpleNamespace(kind='discrete')), max_steps=500)
+    config = pg.Config()
+    flags.check_flags_act(config, agent, {'state_dependent_exploration', 'init_log_std'})
+
+
+# ---------------------------------------------------------------------------
+# 2. A damaged run directory: rebuilt from the checkpoint, or refused in one line
+# ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope='module')
+def finished_run(tmp_path_factory, cache_dir):
+    """A finished 3-epoch run (every fault below damages a copy); the tests
+    below run the same program (SMALL, one seed, 3 epochs) to share its compile."""
+    out = str(tmp_path_factory.mktemp('finished') / 'run')
+    result = subprocess.run([sys.executable, os.path.join(ROOT, 'dqn.py'), *SMALL,
+                             '--compile-cache', cache_dir, '--epochs', '3',
+                             '--output-dir', out], cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    return out
+
+
+def _drop_config_from_header(out):
+    path = os.path.join(out, 'checkpoint.npz')
+    arrays = dict(np.load(path))
+    header = json.loads(bytes(arrays['header']).decode())
+    del header['metadata']['config']
+    arrays['header'] = np.frombuffer(json.dumps(header).encode(), np.uint8)
+    with open(path, 'wb') as f:
+        np.savez(f, **arrays)
+
+
+def _truncate(name, size):
+    return lambda out: os.truncate(os.path.join(out, name), size)
+
+
+DAMAGE = {  # name: (damage, status, needle of the one line)
+    'metrics deleted': (lambda out: os.remove(os.path.join(out, 'metrics.jsonl')), 1,
+                        'metrics.jsonl is missing'),
+    'torn last line': (lambda out: os.truncate(os.path.join(out, 'metrics.jsonl'), os.path.getsize(
+        os.path.join(out, 'metrics.jsonl')) - 30), 1, 'lacks the records of 1 of epochs 1-3'),
+    'header without config': (_drop_config_from_header, 1, 'lacks the run\'s config'),
+    'run.lock a directory': (lambda out: (os.remove(os.path.join(out, 'run.lock')),
+                                          os.mkdir(os.path.join(out, 'run.lock'))), 2,
+                             'remove it'),
+    'both checkpoints damaged': (lambda out: (_truncate('checkpoint.npz', 100)(out),
+                                              _truncate('checkpoint.prev.npz', 100)(out)), 1,
+                                 'is damaged too'),
+    'one checkpoint damaged': (_truncate('checkpoint.npz', 100), 1, '(epoch 2) is intact'),
+    'checkpoints deleted': (lambda out: (os.remove(os.path.join(out, 'checkpoint.npz')),
+                                         os.remove(os.path.join(out, 'checkpoint.prev.npz'))), 2,
+                            'holds a finished run'),
+}
+
+
+@pytest.mark.parametrize('damage', DAMAGE)
+def test_a_damaged_run_dir_is_refused_in_one_line_and_left_as_it_was(damage, finished_run,
+                                                                     cache_dir, tmp_path, capsys):
+    out = str(tmp_path / 'run')
+    shutil.copytree(finished_run, out)
+    harm, status, needle = DAMAGE[damage]
+    harm(out)
+    before = {name: open(os.path.join(out, name), 'rb').read() for name in os.listdir(out)
+              if os.path.isfile(os.path.join(out, name)) and name != 'run.lock'}
+    got, err = run_main(dqn.main, ['--output-dir', out], cache_dir, capsys)
+    assert got == status
+    one_line(err, needle)
+    after = {name: open(os.path.join(out, name), 'rb').read() for name in before}
+    assert after == before  # nothing recorded was overwritten (summary.json included)
+
+
+REPAIRED = {
+    'config.json deleted': lambda out: os.remove(os.path.join(out, 'config.json')),
+    'config.json edited': lambda out: open(os.path.join(out, 'config.json'), 'w').write('{}'),
+    'lines that are not records': lambda out: open(os.path.join(out, 'metrics.jsonl'), 'a').write(
+        '[1, 2]\n5\n{"epoch": "x"}\n'),
+    'a dead writer\'s temp file': lambda out: open(
+        os.path.join(out, 'checkpoint.npz.tmp-99999'), 'wb').write(b'partial'),
+}
+
+
+@pytest.mark.parametrize('damage', REPAIRED)
+def test_what_the_checkpoint_can_rebuild_is_rebuilt(damage, finished_run, cache_dir, tmp_path,
+                                                    capsys):
+    out = str(tmp_path / 'run')
+    shutil.copytree(finished_run, out)
+    REPAIRED[damage](out)
+    status, err = run_main(dqn.main, ['--output-dir', out], cache_dir, capsys)
+    assert status == 0, err
+    assert open(os.path.join(out, 'config.json')).read() == \
+        open(os.path.join(finished_run, 'config.json')).read()
+    assert metrics(out) == metrics(finished_run)
+    summary, reference = (json.load(open(os.path.join(d, 'summary.json')))
+                          for d in (out, finished_run))
+    assert summary['final_eval_return'] == reference['final_eval_return']
+    assert temp_files(out) == []
+
+
+# ---------------------------------------------------------------------------
+# 3. The OS saying no: a full disk, a closed pipe, a full device on stdout
+# ---------------------------------------------------------------------------
+
+
+def test_a_full_disk_is_one_line_keeps_the_checkpoint_and_leaves_no_temp_file(
+        finished_run, cache_dir, tmp_path, capsys):
+    # 40k holds one checkpoint (22 kB) and the small files, not a second one.
+    with tmpfs(str(tmp_path / 'disk'), '40k') as disk:
+        out = os.path.join(disk, 'run')
+        for attempt in range(2):  # the run, then its rerun on the still full disk
+            status, err = run_main(dqn.main, ['--epochs', '3', '--output-dir', out], cache_dir,
+                                   capsys)
+            assert status == 1
+            one_line(err, 'No space left on device (ENOSPC)', 'checkpoint of epoch 1',
+                     'rerun with --output-dir')
+            assert temp_files(out) == []
+            assert rundir.read_checkpoint_metadata(os.path.join(out, 'checkpoint.npz'))['epoch'] == 1
+        subprocess.run(['mount', '-o', 'remount,size=1m', disk], check=True)
+        status, err = run_main(dqn.main, ['--epochs', '3', '--output-dir', out], cache_dir,
+                               capsys)
+        assert status == 0, err
+        assert metrics(out) == metrics(finished_run)  # resumed bitwise
+        assert temp_files(out) == []
+
+
+def test_stdout_into_a_closed_pipe_stops_after_saving(finished_run, cache_dir, tmp_path):
+    out = str(tmp_path / 'run')
+    args = [a for a in SMALL if a != '--quiet']
+    process = subprocess.Popen([sys.executable, os.path.join(ROOT, 'dqn.py'), *args,
+                                '--compile-cache', cache_dir, '--epochs', '3', '--output-dir',
+                                out], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True)
+    assert process.stdout.readline().startswith('epoch')  # `| head -1`
+    process.stdout.close()
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 1
+    one_line(stderr.strip().splitlines(), 'cannot write to stdout (Broken pipe)', 'resume')
+    epoch = rundir.read_checkpoint_metadata(os.path.join(out, 'checkpoint.npz'))['epoch']
+    assert 1 <= epoch < 3 and temp_files(out) == []
+
+
+def test_stdout_on_a_full_device_stops_after_saving(finished_run, cache_dir, tmp_path, capsys,
+                                                    monkeypatch):
+    if not os.path.exists('/dev/full'):
+        pytest.skip('no /dev/full here')
+    out = str(tmp_path / 'run')
+    full = open('/dev/full', 'w')
+    monkeypatch.setattr(sys, 'stdout', full)
+    args = [a for a in SMALL if a != '--quiet']
+    status = 0
+    try:
+        dqn.main([*args, '--compile-cache', cache_dir, '--epochs', '3', '--output-dir', out])
+    except SystemExit as stop:
+        status = stop.code
+    assert status == 1
+    one_line(capsys.readouterr().err.strip().splitlines(), 'No space left on device')
+    assert rundir.read_checkpoint_metadata(os.path.join(out, 'checkpoint.npz'))['epoch'] >= 1
+
+
+# ---------------------------------------------------------------------------
+# 4. Signals at awkward moments
+# ---------------------------------------------------------------------------
+
+
+SLOW = ['--epochs', '2', '--train-steps-per-epoch', '131072']  # epochs of a second or so
+
+
+def test_a_signal_during_the_imports_is_one_line(cache_dir, tmp_path):
+    out = str(tmp_path / 'run')
+    process = script(['--output-dir', out], cache_dir)
+    time.sleep(0.5)  # importing JAX: Python's default would be a traceback or nothing
+    process.send_signal(signal.SIGTERM)
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 128 + signal.SIGTERM
+    one_line(stderr.strip().splitlines(), 'interrupted (SIGTERM) before the first epoch')
+
+
+def test_ctrl_c_while_compiling_is_one_line(tmp_path):
+    out = str(tmp_path / 'run')
+    process = script(['--output-dir', out], 'none')  # no cache: the compile takes seconds
+    wait_for_lines(os.path.join(out, 'run.lock'), 1, process)  # locked: compiling next
+    process.send_signal(signal.SIGINT)
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 130
+    one_line(stderr.strip().splitlines(), 'interrupted (SIGINT)')
+    assert not os.path.exists(os.path.join(out, 'checkpoint.npz'))
+
+
+def test_a_second_ctrl_c_abandons_the_chunk_in_one_line(cache_dir, tmp_path):
+    out = str(tmp_path / 'run')
+    process = script(['--output-dir', out, *SLOW], cache_dir)
+    wait_for_lines(os.path.join(out, 'metrics.jsonl'), 1, process)
+    process.send_signal(signal.SIGINT)  # both inside epoch 2's chunk
+    time.sleep(0.05)
+    process.send_signal(signal.SIGINT)
+    _, stderr = process.communicate(timeout=120)
+    lines = stderr.strip().splitlines()
+    assert process.returncode == 130, stderr
+    assert lines[0].startswith('SIGINT: finishing this chunk')
+    one_line(lines[1:], 'interrupted (SIGINT)', 'checkpoint of epoch 1')
+    assert temp_files(out) == []
+
+
+def test_a_signal_in_the_last_epoch_finishes_the_summary(cache_dir, tmp_path):
+    out = str(tmp_path / 'run')
+    process = script(['--output-dir', out, *SLOW], cache_dir)
+    wait_for_lines(os.path.join(out, 'metrics.jsonl'), 1, process)
+    time.sleep(0.1)
+    process.send_signal(signal.SIGTERM)
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 0, stderr
+    assert stderr.strip().splitlines() == ['SIGTERM: finishing this chunk of epochs, then saving '
+                                           '(Ctrl-C again to abandon it)']
+    summary = json.load(open(os.path.join(out, 'summary.json')))
+    assert summary['epochs'] == 2 and None not in summary['final_eval_return']
+
+
+def test_a_signal_swallowed_in_a_finaliser_is_raised_at_the_next_check():
+    signals = cli._Signals()
+    import gc
+
+    def callback(phase, info):  # as JAX's gc callback: a signal lands inside it
+        signals._handle(signal.SIGINT, sys._getframe())
+    gc.callbacks.append(callback)
+    try:
+        gc.collect()  # no Interrupted escapes into the gc machinery
+    finally:
+        gc.callbacks.remove(callback)
+    with pytest.raises(cli.Interrupted):
+        signals.check()
+
+
+# ---------------------------------------------------------------------------
+# 5. One run per device
+# ---------------------------------------------------------------------------
+
+
+def test_one_run_per_device_is_bitwise_one_device(cache_dir, tmp_path):
+    """2 runs on 2 devices = 2 on one, at XLA's default optimisation level (the
+    suite's level 0 hides the difference a device of one run makes)."""
+    env = dict(os.environ, XLA_FLAGS='--xla_force_host_platform_device_count=2')
+    outs = [str(tmp_path / name) for name in ('sharded', 'single')]
+    for out, extra in zip(outs, ([], ['--device', '0'])):
+        process = script(['--num-seeds', '2', '--epochs', '2', '--output-dir', out, *extra],
+                         cache_dir, env=env)
+        _, stderr = process.communicate(timeout=300)
+        assert process.returncode == 0, stderr
+    assert metrics(outs[0]) == metrics(outs[1])
+    sharded, single = (rundir._read_checkpoint(os.path.join(out, 'checkpoint.npz'))
+                       for out in outs)
+    assert sharded[0]['metadata']['devices'] == 2 and single[0]['metadata']['devices'] == 1
+    for a, b in zip(sharded[1], single[1]):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_a_resume_on_another_device_count_is_refused_for_wide_observations():
+    class Device:
+        platform = 'cpu'
+
+    def run(obs_shape, n_devices):
+        return types.SimpleNamespace(
+            output_dir='D', agent=types.SimpleNamespace(spec=types.SimpleNamespace(
+                obs_shape=obs_shape)),
+            sharding=types.SimpleNamespace(device_set={Device() for _ in range(n_devices)}))
+    cli._check_same_devices(run((4,), 1), 2)  # CartPole: bitwise on any count
+    cli._check_same_devices(run((50,), 2), 2)
+    cli._check_same_devices(run((50,), 1), None)  # a checkpoint from before the record
+    with pytest.raises(cli.common.UsageError, match='resume on 2 device'):
+        cli._check_same_devices(run((50,), 1), 2)
+
+
+# ---------------------------------------------------------------------------
+# 7. Messages
+# ---------------------------------------------------------------------------
+
+
+def test_a_path_with_a_newline_is_one_line(tmp_path, capsys):
+    out = str(tmp_path / 'a\nb')
+    status, err = run_main(dqn.main, ['--only-eval', '--output-dir', out], 'none', capsys)
+    assert status == 2
+    one_line(err, 'a\\nb')
+
+
+def test_a_compile_cache_that_is_a_file_is_one_line(tmp_path, capsys):
+    cache = tmp_path / 'cache'
+    cache.write_text('')
+    status, err = run_main(dqn.main, ['--output-dir', str(tmp_path / 'run'), '--compile-cache',
+                                      str(cache)], 'none', capsys)
+    assert status == 2
+    one_line(err, 'not a directory')
+
+
+def test_a_read_only_home_is_a_note_not_library_warnings(tmp_path, monkeypatch, capsys):
+    with tmpfs(str(tmp_path / 'home'), '16k') as home:
+        subprocess.run(['mount', '-o', 'remount,ro', home], check=True)
+        cache = os.path.join(home, '.cache', 'trax-rl-jax')
+        flags.enable_compile_cache(cache, explicit=False)  # the default: a note, no cache
+        one_line(capsys.readouterr().err.strip().splitlines(), 'note: no compile cache')
+        with pytest.raises(cli.common.UsageError, match='Read-only'):
+            flags.enable_compile_cache(cache, explicit=True)
+        monkeypatch.setenv('HOME', home)
+        monkeypatch.delenv('XDG_CONFIG_HOME', raising=False)
+        monkeypatch.delenv('MPLCONFIGDIR', raising=False)
+        monkeypatch.delitem(sys.modules, 'matplotlib', raising=False)
+        with rundir.matplotlib_config_dir():
+            config_dir = os.environ.get('MPLCONFIGDIR')
+            assert config_dir and os.path.isdir(config_dir)
+        assert not os.path.exists(config_dir) and 'MPLCONFIGDIR' not in os.environ
+
+
+def test_a_plot_with_nothing_to_show_says_so_without_warnings(tmp_path):
+    agent = types.SimpleNamespace(eval_tags=[(0.0, 500)])
+    history = [{'epoch': 1, 'run': 0, 'rl/avg_return': None, 'rl/n_interactions': 64}]
+    path = str(tmp_path / 'curve.png')
+    with warnings.catch_warnings():
+        warnings.simplefilter('error')
+        rundir.plot_learning_curves(history, agent, 'CartPole-v1', path)
+    assert os.path.getsize(path) > 0 and temp_files(str(tmp_path)) == []
