@@ -41,6 +41,7 @@ from typing import NamedTuple, Optional
 import chex
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 import common
@@ -790,12 +791,29 @@ def check_config(config: Config):
                     f'be divisible by --value-evals-per-epoch ({config.value_evals_per_epoch})')
 
 
+# Fields that act in some modes only: (the mode's field, the modes). Set away
+# from its default in another mode, one would be saved and bind a resume
+# while changing nothing, so it is refused.
+MODE_ONLY = {'epsilon': ('policy_loss', ('ppo',)), 'beta': ('policy_loss', ('awr',)),
+             'w_max': ('policy_loss', ('awr',)),
+             'lambda_': ('advantage_estimator', ('td_lambda', 'gae'))}
+
+
 def check_hyperparameters(config, runs):
     """Cross-field rules on swept values (each value's range: common.check_fields)."""
+    defaults = {field.name: field.default for field in dataclasses.fields(Config)}
     for run in runs:
         if config.scale_value_targets and run['gamma'] == 1:
             raise common.UsageError('--scale-value-targets divides by 1 - gamma: it needs '
                                     '--gamma < 1')
+        for name, (mode_field, modes) in MODE_ONLY.items():
+            mode = getattr(config, mode_field)
+            value = run.get(name, defaults[name])  # (float32 too: check_as_float32)
+            if mode not in modes and np.float32(value) != np.float32(defaults[name]):
+                flag, mode_flag = (f'--{f.rstrip("_").replace("_", "-")}'
+                                   for f in (name, mode_field))
+                raise common.UsageError(f'{flag} acts with {mode_flag} {" or ".join(modes)} '
+                                        f'only, not {mode}')
 
 
 def main(argv=None):

@@ -532,6 +532,12 @@ def test_actor_critic_solves_cartpole(policy_loss, overrides):
     (['--policy-loss', 'awr', '--n-replay-epochs', '0'], '--n-replay-epochs'),
     (['--policy-loss', 'awr', '--awr-beta', '0'], '--beta'),
     (['--policy-loss', 'awr', '--awr-max-weight', '-1,20'], '--w-max'),
+    # Flags of another mode: saved, binding a resume, changing nothing.
+    (['--policy-loss', 'a2c', '--epsilon', '0.3'], '--epsilon acts with --policy-loss ppo'),
+    (['--policy-loss', 'awr', '--epsilon', '0.2,0.3'], '--epsilon acts'),
+    (['--policy-loss', 'ppo', '--beta', '2'], '--beta acts with --policy-loss awr'),
+    (['--policy-loss', 'ppo', '--w-max', '5'], '--w-max acts'),
+    (['--advantage-estimator', 'td_k', '--lambda', '0.9'], '--lambda acts with'),
 ])
 def test_bad_actor_critic_input_exits_2_with_one_line(argv, message, tmp_path, capsys):
     out = tmp_path / 'bad'
