@@ -275,11 +275,13 @@ def env_max_steps(env_params):
 # ---------------------------------------------------------------------------
 
 
-def init_mlp(key, sizes, last_scale=1.0):
+def init_mlp(key, sizes, last_scale=1.0, layer_norm=False):
     """[{'w', 'b'}] for layer sizes [in, hidden..., out].
 
     Glorot-uniform weights (Trax's Dense default) and zero biases; the last
     layer's weights are multiplied by `last_scale` (small for policy heads).
+    `layer_norm` gives each hidden layer a LayerNorm's 'scale' (ones) and
+    'offset' (zeros); without it the params are exactly as before.
     """
     params = []
     keys = jax.random.split(key, len(sizes) - 1)
@@ -288,8 +290,28 @@ def init_mlp(key, sizes, last_scale=1.0):
         weights = jax.random.uniform(key_i, (fan_in, fan_out), minval=-limit, maxval=limit)
         if i == len(sizes) - 2:
             weights = weights * last_scale
-        params.append({'w': weights, 'b': jnp.zeros((fan_out,))})
+        params.append({'w': weights, 'b': jnp.zeros((fan_out,)),
+                       **(layer_norm_params(fan_out) if layer_norm and i < len(sizes) - 2
+                          else {})})
     return params
+
+
+LAYER_NORM_EPSILON = 1e-6  # flax.linen.LayerNorm's, which PQN's networks use
+
+
+def layer_norm_params(size):
+    return {'scale': jnp.ones((size,)), 'offset': jnp.zeros((size,))}
+
+
+def layer_norm(layer, x):
+    """LayerNorm (Ba et al. 2016) over the last axis when `layer` has its
+    'scale' and 'offset' (init_mlp / init_conv with layer_norm), else x as is."""
+    if 'scale' not in layer:
+        return x
+    mean = x.mean(axis=-1, keepdims=True)
+    variance = jnp.square(x - mean).mean(axis=-1, keepdims=True)
+    return (x - mean) * jax.lax.rsqrt(variance + LAYER_NORM_EPSILON) * layer['scale'] \
+        + layer['offset']
 
 
 def mlp(params, x):
@@ -299,14 +321,15 @@ def mlp(params, x):
 
 def mlp_hidden(params, x):
     """The features an MLP's last layer reads: every layer but the last, each
-    followed by ReLU (x itself for an MLP with no hidden layer)."""
+    followed by its LayerNorm if it has one, then ReLU (x itself for an MLP
+    with no hidden layer)."""
     check_args(chex.assert_rank, 'mlp', 2, **{f'params[{i}]["w"]': layer['w']
                                               for i, layer in enumerate(params)})
     check_args(chex.assert_rank, 'mlp', 1, **{f'params[{i}]["b"]': layer['b']
                                               for i, layer in enumerate(params)})
     check_args(chex.assert_shape, 'mlp', (..., params[0]['w'].shape[0]), x=x)
     for layer in params[:-1]:
-        x = jax.nn.relu(x @ layer['w'] + layer['b'])
+        x = jax.nn.relu(layer_norm(layer, x @ layer['w'] + layer['b']))
     return x
 
 
@@ -345,21 +368,24 @@ def conv_output_shape(in_shape, channels, kernel=3, stride=1):
     return (height, width, channels[-1] if channels else in_shape[2])
 
 
-def init_conv(key, in_channels, channels, kernel=3):
+def init_conv(key, in_channels, channels, kernel=3, layer_norm=False):
     """[{'w': [k, k, in, out], 'b': [out]}] per layer; Glorot-uniform over the
-    receptive field (fan = k * k * channels, as Trax's Conv) and zero biases."""
+    receptive field (fan = k * k * channels, as Trax's Conv) and zero biases;
+    `layer_norm` adds a LayerNorm over each layer's channels (as PQN's)."""
     params = []
     keys = jax.random.split(key, max(len(channels), 1))
     for key_i, fan_in, fan_out in zip(keys, (in_channels, *channels[:-1]), channels):
         limit = math.sqrt(6.0 / (kernel * kernel * (fan_in + fan_out)))
         params.append({'w': jax.random.uniform(key_i, (kernel, kernel, fan_in, fan_out),
                                                minval=-limit, maxval=limit),
-                       'b': jnp.zeros((fan_out,))})
+                       'b': jnp.zeros((fan_out,)),
+                       **(layer_norm_params(fan_out) if layer_norm else {})})
     return params
 
 
 def conv(params, x, stride=1):
-    """Conv layers made by init_conv, each followed by ReLU, on [..., H, W, C];
+    """Conv layers made by init_conv, each followed by its LayerNorm if it has
+    one, then ReLU, on [..., H, W, C];
     returns the features flattened, [..., H' * W' * C'].
 
     Written as im2col: the k * k shifted views of the input (slices, so exact
@@ -378,8 +404,8 @@ def conv(params, x, stride=1):
     for layer in params:
         kernel = layer['w']  # [k, k, in, out]
         size, _, channels_in, channels_out = kernel.shape
-        x = jax.nn.relu(conv_patches(x, size, stride) @ kernel.reshape(-1, channels_out)
-                        + layer['b'])
+        x = jax.nn.relu(layer_norm(layer, conv_patches(x, size, stride)
+                                   @ kernel.reshape(-1, channels_out) + layer['b']))
     return x.reshape(batch_shape + (-1,))
 
 
@@ -394,14 +420,18 @@ def conv_patches(x, size, stride=1):
 
 
 def init_network(key, obs_shape, hidden_sizes, n_outputs, torso='mlp',
-                 conv_channels=(16,), last_scale=1.0):
-    """Params of torso (flatten, or conv_channels 3x3 convs) + MLP head."""
+                 conv_channels=(16,), last_scale=1.0, layer_norm=False):
+    """Params of torso (flatten, or conv_channels 3x3 convs) + MLP head;
+    `layer_norm`: a LayerNorm before every hidden ReLU (conv and dense)."""
     if torso == 'conv':
         conv_key, mlp_key = jax.random.split(key)
         features = int(np.prod(conv_output_shape(obs_shape, conv_channels)))
-        return {'conv': init_conv(conv_key, obs_shape[-1], conv_channels),
-                'mlp': init_mlp(mlp_key, [features, *hidden_sizes, n_outputs], last_scale)}
-    return init_mlp(key, [int(np.prod(obs_shape)), *hidden_sizes, n_outputs], last_scale)
+        return {'conv': init_conv(conv_key, obs_shape[-1], conv_channels,
+                                  layer_norm=layer_norm),
+                'mlp': init_mlp(mlp_key, [features, *hidden_sizes, n_outputs], last_scale,
+                                layer_norm)}
+    return init_mlp(key, [int(np.prod(obs_shape)), *hidden_sizes, n_outputs], last_scale,
+                    layer_norm)
 
 
 def network(params, obs, obs_shape):

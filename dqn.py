@@ -1,7 +1,8 @@
 """DQN after Trax's `ValueAgent` + `DQN` (trax/rl/training.py), in pure JAX.
 
-One epoch = collect (epsilon-greedy, gymnax envs) -> train (n-step double-DQN
-targets from a replay of the last epochs) -> greedy evaluation. `make_agent`
+One epoch = collect (epsilon-greedy, gymnax envs) -> train (double-DQN targets
+from a replay of the last epochs: n-step returns, or Trax's other estimators'
+lambda- and Monte-Carlo returns, i.e. Q(lambda)) -> greedy evaluation. `make_agent`
 derives a static `Spec` from the config; each phase is a module-level pure
 function of it, `phase(spec, hp, state) -> (state, metrics)`, and so is the
 whole epoch (`agent.epoch`), vmapped over runs (seeds x hyperparameter grid)
@@ -17,6 +18,7 @@ Fixed relative to Trax (why: docs/trax.md section 6; notes: docs/dqn.md):
     python dqn.py --seed 0                 # CartPole-v1, greedy return 500
     python dqn.py --num-seeds 8            # 8 seeds in one vmapped program
     python dqn.py --lr 1e-3,3e-4 --num-seeds 4   # a 2-point grid x 4 seeds
+    python dqn.py --advantage-estimator td_lambda  # Q(lambda) targets
 """
 
 if __name__ == '__main__':  # a Ctrl-C during the imports: held for main's one line
@@ -33,6 +35,8 @@ import jax.numpy as jnp
 import optax
 
 import common
+
+ESTIMATORS = ('td_k', 'td_lambda', 'monte_carlo')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,6 +66,15 @@ class Config:
     gamma: float = common.option(0.99, 'discount factor in (0, 1]', sweep=True, bounds='(0, 1]')
     max_slice_length: int = common.option(
         4, 'Trax slice length L >= 2: targets are (L-1)-step returns (Trax: 1, broken)', bounds='[2, inf)')
+    advantage_estimator: str = common.option(
+        'td_k', 'targets: td_k (n-step returns, n = max_slice_length - 1), td_lambda '
+        '(lambda-returns: Q(lambda), PQN\'s targets) or monte_carlo (returns to the '
+        'episode\'s or the block\'s end), common.py\'s estimators over each env\'s slice '
+        'of each replayed epoch, refreshed once an epoch from the target net (Trax: td_k)',
+        choices=ESTIMATORS)
+    lambda_: float = common.option(
+        0.95, 'td_lambda\'s lambda (Trax\'s estimators: lambda_ 0.95; PQN: 0.65)', sweep=True,
+        bounds='[0, 1]')
     double_dqn: bool = common.option(True, 'pick a* by the online net (Trax default: off)')
     smoothl1loss: bool = common.option(True, 'Huber (delta 1) loss; off: L2')
     scale_value_targets: bool = common.option(
@@ -83,6 +96,9 @@ class Config:
         (16,), 'conv torso: channels of each 3x3 stride-1 conv (MinAtar paper: 16)',
         bounds='[1, inf)')
     hidden_sizes: tuple[int, ...] = common.option((64, 64), 'Q-network hidden layer sizes', bounds='[1, inf)')
+    layer_norm: bool = common.option(
+        False, 'LayerNorm before each hidden ReLU of the Q-network, conv and dense (PQN; '
+        'not in Trax)')
     n_eval_episodes: int = common.option(32, 'episodes per evaluation (0: no evaluation)', bounds='[0, inf)')
     eval_steps: Optional[tuple[int, ...]] = common.option(
         None, 'evaluation horizons, e.g. 200,500 (default: max_steps)', bounds='[1, inf)')
@@ -102,7 +118,10 @@ class Replay(NamedTuple):
 
     A row is an n-step transition: obs, action, the discounted reward sum up to
     the bootstrap point, the observation to bootstrap from and its discount
-    (gamma^k, 0 if the episode terminated inside the window).
+    (gamma^k, 0 if the episode terminated inside the window). A block's rows
+    are time-major, [steps, n_envs] flattened. The estimators' targets
+    (td_lambda, monte_carlo) store one-step rows (n = 1) and two more fields;
+    td_k has None there, so its state is as it always was.
     """
     obs: jax.Array
     action: jax.Array
@@ -110,6 +129,8 @@ class Replay(NamedTuple):
     bootstrap_obs: jax.Array
     bootstrap_discount: jax.Array
     count: jax.Array
+    done: Optional[jax.Array] = None  # the row's step ended its episode (any cause)
+    target: Optional[jax.Array] = None  # its estimator target, refreshed each epoch
 
 
 class State(NamedTuple):
@@ -142,7 +163,8 @@ class Spec:
     n_envs: int  # envs stepped per epoch and run
     steps: int  # steps of each env per epoch
     block_size: int  # replay rows per epoch: n_envs * steps
-    n_step: int  # max_slice_length - 1
+    n_step: int  # max_slice_length - 1 (td_k), else 1: one-step rows
+    estimator_targets: bool  # td_lambda or monte_carlo: targets from replay_targets
     chunk_steps: int  # gradient steps per metrics chunk
     total_train_steps: int  # the learning-rate schedule's length
     eval_tags: tuple  # ((temperature, horizon), ...) evaluated each epoch
@@ -214,6 +236,39 @@ def td_targets(q_target_next, q_online_next, reward_sum, bootstrap_discount, dou
     return reward_sum + bootstrap_discount * bootstrap
 
 
+def slice_targets(estimator, gamma, lambda_, reward, done, bootstrap_discount, next_value):
+    """One env's slice of T steps (time-major [T]) -> each step's target [T],
+    from common.py's `estimator` ('td_lambda' or 'monte_carlo').
+
+    next_value[t] is the value of step t's next observation (the true final
+    one if t ended the episode). The estimators take values of states s_0..s_T
+    and treat a `done` as the end (they never look past it), so: s_{t+1} is
+    step t's next observation (values = [0, next_value]); at a done step its
+    bootstrap, bootstrap_discount * next_value (gamma through truncation, 0
+    at termination), joins its reward; the block's end bootstraps from
+    next_value[T - 1]. The estimator returns target - value; the value is
+    added back (monte_carlo subtracts none at a done step).
+    """
+    where = 'slice_targets'
+    common.check_args(chex.assert_rank, where, 1, reward=reward, done=done,
+                      bootstrap_discount=bootstrap_discount, next_value=next_value)
+    chex.assert_equal_shape([reward, done, bootstrap_discount, next_value],
+                            custom_message=f'{where}: the slice\'s arrays share one shape')
+    reward = reward + jnp.where(done, bootstrap_discount * next_value, 0.0)
+    rewards = jnp.append(reward, 0.0)[None]
+    dones = jnp.append(done, False)[None]
+    values = jnp.append(0.0, next_value)[None]
+    live = jnp.ones_like(dones)
+    if estimator == 'td_lambda':
+        advantage = common.td_lambda(gamma, 1, lambda_)(rewards, rewards, values, dones, live)
+        return (advantage + values[:, :-1])[0]
+    # Monte-Carlo returns to the episode's end, or the block's (bootstrapped).
+    returns = common.discounted_returns(rewards.at[:, -1].set(values[:, -1]),
+                                        gamma * (1.0 - dones))
+    advantage = common.monte_carlo(gamma, 1)(rewards, returns, values, dones, live)
+    return (advantage + jnp.where(dones, 0.0, values)[:, :-1])[0]
+
+
 def value_loss(predicted, target, smoothl1loss):
     """Huber (delta 1) or L2 between predicted Q(s, a) and the fixed target, [batch]."""
     common.check_args(chex.assert_rank, 'value_loss', 1, predicted=predicted, target=target)
@@ -247,6 +302,25 @@ def value_scale(spec, hp):
 
 def q_values(spec, params, obs, hp):
     return common.network(params, obs, spec.obs_shape) * value_scale(spec, hp)
+
+
+def replay_targets(spec, hp, params, target_params, replay):
+    """Every replay row's estimator target [n_replay_epochs, block_size]: the
+    value of each next observation by the target net (its own argmax, or the
+    online net's for double DQN), then slice_targets over each env's slice
+    of each block. Unfilled blocks give targets that are never sampled."""
+    q_target = q_values(spec, target_params, replay.bootstrap_obs, hp)
+    q_select = q_values(spec, params, replay.bootstrap_obs, hp) if spec.config.double_dqn \
+        else q_target
+    best = jnp.argmax(q_select, axis=-1)[..., None]
+    next_value = jnp.take_along_axis(q_target, best, axis=-1)[..., 0]
+    by_env = lambda x: x.reshape((-1, spec.steps, spec.n_envs))  # [blocks, T, envs]
+    per_slice = functools.partial(slice_targets, spec.config.advantage_estimator, hp['gamma'],
+                                  hp['lambda_'])
+    per_block = jax.vmap(per_slice, in_axes=1, out_axes=1)  # over envs
+    targets = jax.vmap(per_block)(by_env(replay.reward_sum), by_env(replay.done),
+                                  by_env(replay.bootstrap_discount), by_env(next_value))
+    return targets.reshape(next_value.shape)
 
 
 def optimizer(spec, hp):
@@ -306,7 +380,7 @@ def init(spec, key, hp):
     config = spec.config
     eval_key, net_key, env_key, key = jax.random.split(key, 4)
     params = common.init_network(net_key, spec.obs_shape, config.hidden_sizes, spec.n_actions,
-                                 spec.torso, config.conv_channels)
+                                 spec.torso, config.conv_channels, layer_norm=config.layer_norm)
     obs, env_state = env_reset(spec, env_key, spec.n_envs)
     rows = (config.n_replay_epochs, spec.block_size)
     replay = Replay(obs=jnp.zeros(rows + spec.obs_shape, spec.obs_dtype),
@@ -315,6 +389,8 @@ def init(spec, key, hp):
                     bootstrap_obs=jnp.zeros(rows + spec.obs_shape, spec.obs_dtype),
                     bootstrap_discount=jnp.zeros(rows),
                     count=jnp.zeros((config.n_replay_epochs,), jnp.int32))
+    if spec.estimator_targets:
+        replay = replay._replace(done=jnp.zeros(rows, bool), target=jnp.zeros(rows))
     zero = jnp.zeros((), jnp.int32)
     return State(params=params, target_params=params,
                  opt_state=optimizer(spec, hp).init(params), replay=replay,
@@ -396,6 +472,8 @@ def store(spec, hp, replay, epoch, records):
     rows = dict(obs=records['obs'].astype(replay.obs.dtype), action=records['action'],
                 reward_sum=reward_sum, bootstrap_discount=bootstrap_discount,
                 bootstrap_obs=bootstrap_obs.astype(replay.obs.dtype))
+    if spec.estimator_targets:
+        rows['done'] = records['done']
     rows = {name: value.reshape((spec.block_size,) + value.shape[2:])
             for name, value in rows.items()}
     valid = records['valid'].reshape(spec.block_size)
@@ -404,18 +482,21 @@ def store(spec, hp, replay, epoch, records):
         rows = {name: value[order] for name, value in rows.items()}
     slot = epoch % spec.config.n_replay_epochs
     count = valid.sum()
-    replay = Replay(**{name: getattr(replay, name).at[slot].set(rows[name]) for name in rows},
-                    count=replay.count.at[slot].set(count))
+    replay = replay._replace(**{name: getattr(replay, name).at[slot].set(rows[name])
+                                for name in rows}, count=replay.count.at[slot].set(count))
     return replay, count
 
 
 def loss_fn(spec, params, target_params, batch, hp):
-    double_dqn = spec.config.double_dqn
-    q_next_target = q_values(spec, target_params, batch['bootstrap_obs'], hp)
-    q_next_online = q_values(spec, params, batch['bootstrap_obs'], hp) if double_dqn \
-        else q_next_target
-    target = td_targets(q_next_target, q_next_online, batch['reward_sum'],
-                        batch['bootstrap_discount'], double_dqn)
+    if 'target' in batch:  # the estimators' targets, refreshed at the epoch's start
+        target = batch['target']
+    else:
+        double_dqn = spec.config.double_dqn
+        q_next_target = q_values(spec, target_params, batch['bootstrap_obs'], hp)
+        q_next_online = q_values(spec, params, batch['bootstrap_obs'], hp) if double_dqn \
+            else q_next_target
+        target = td_targets(q_next_target, q_next_online, batch['reward_sum'],
+                            batch['bootstrap_discount'], double_dqn)
     # The loss sees values in network units: Q / scale.
     q = q_values(spec, params, batch['obs'], hp)
     q_taken = jnp.take_along_axis(q, batch['action'][:, None], axis=-1)[:, 0]
@@ -430,8 +511,9 @@ def train_step(spec, hp, state, indices):
     the target network syncs when the step count reaches a multiple of sync_freq."""
     block, row = indices
     replay = state.replay
-    batch = {name: getattr(replay, name)[block, row]
-             for name in ('obs', 'action', 'reward_sum', 'bootstrap_obs', 'bootstrap_discount')}
+    fields = ('obs', 'action', 'target') if spec.estimator_targets else (
+        'obs', 'action', 'reward_sum', 'bootstrap_obs', 'bootstrap_discount')
+    batch = {name: getattr(replay, name)[block, row] for name in fields}
     grads, metrics = jax.grad(functools.partial(loss_fn, spec), has_aux=True)(
         state.params, state.target_params, batch, hp)
     updates, opt_state = optimizer(spec, hp).update(grads, state.opt_state, state.params)
@@ -445,8 +527,13 @@ def train_step(spec, hp, state, indices):
 
 
 def train(spec, hp, state):
-    """train_steps_per_epoch gradient steps, in evals_per_epoch chunks."""
+    """train_steps_per_epoch gradient steps, in evals_per_epoch chunks; first,
+    for the estimators, every replay row's target from the target net."""
     config = spec.config
+    if spec.estimator_targets:
+        replay = state.replay._replace(target=replay_targets(
+            spec, hp, state.params, state.target_params, state.replay))
+        state = state._replace(replay=replay)
     key, sample_key = jax.random.split(state.key)
     state = state._replace(key=key)
     # The replay does not change while training: sample every batch at once.
@@ -517,7 +604,8 @@ def make_agent(config: Config) -> common.Agent:
     torso = common.resolve_torso(config.torso, obs_shape)
     if torso == 'conv':
         common.conv_output_shape(obs_shape, config.conv_channels)  # refuses too small
-    n_step = config.max_slice_length - 1
+    estimator_targets = config.advantage_estimator != 'td_k'
+    n_step = 1 if estimator_targets else config.max_slice_length - 1
     fresh_episodes = bool(config.n_trajectories_per_epoch)
     if fresh_episodes:
         n_envs, steps = config.n_trajectories_per_epoch, max_steps
@@ -529,6 +617,7 @@ def make_agent(config: Config) -> common.Agent:
         config=config, env=env, env_params=env_params, obs_shape=obs_shape,
         obs_dtype=storage_dtype(config, env, env_params), n_actions=env.action_space(env_params).n,
         torso=torso, n_envs=n_envs, steps=steps, block_size=n_envs * steps, n_step=n_step,
+        estimator_targets=estimator_targets,
         chunk_steps=config.train_steps_per_epoch // config.evals_per_epoch,
         total_train_steps=(config.lr_decay_epochs or config.epochs) * config.train_steps_per_epoch,
         eval_tags=tuple((t, h) for t in config.eval_temperatures
@@ -607,6 +696,10 @@ def check_config(config: Config):
                     f'divisible by --evals-per-epoch ({config.evals_per_epoch})')
     if not config.conv_channels:
         raise error('--conv-channels needs at least one layer')
+    if config.advantage_estimator != 'td_k' and config.n_trajectories_per_epoch:
+        raise error(f'--advantage-estimator {config.advantage_estimator} needs each env\'s '
+                    'steps in order in the replay: use --n-interactions-per-epoch (not '
+                    '--n-trajectories-per-epoch, whose blocks keep only the valid rows)')
     common.multifactor(config.lr_schedule)  # validates the factor names
 
 
