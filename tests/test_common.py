@@ -692,6 +692,57 @@ def test_conv_torso_shapes_and_gradients_match_lax_conv():
         assert np.any(np.asarray(expected) != 0)
 
 
+def numpy_layer_norm(x, scale, offset):
+    mean = x.mean(-1, keepdims=True)
+    return (x - mean) / np.sqrt(x.var(-1, keepdims=True) + 1e-6) * scale + offset
+
+
+def test_layer_norm_mlp_and_conv_against_numpy():
+    """--layer-norm: a LayerNorm (flax's epsilon 1e-6) over the features before
+    each hidden ReLU, conv (over channels) and dense; none on the output.
+    Without it the params are init_mlp's plain ones, bitwise."""
+    rng = np.random.default_rng(0)
+    params = common.init_network(jax.random.PRNGKey(0), (4,), (8, 6), 3, layer_norm=True)
+    plain = common.init_network(jax.random.PRNGKey(0), (4,), (8, 6), 3)
+    assert_trees_bitwise_equal([{'w': l['w'], 'b': l['b']} for l in params], plain)
+    assert [sorted(layer) for layer in params] == [['b', 'offset', 'scale', 'w']] * 2 + [['b', 'w']]
+    np.testing.assert_array_equal(params[0]['scale'], 1.0)
+    np.testing.assert_array_equal(params[0]['offset'], 0.0)
+    params = jax.tree.map(lambda leaf: leaf + 0.3 * jnp.asarray(rng.normal(size=leaf.shape),
+                                                                leaf.dtype), params)
+    x = rng.normal(size=(5, 4))
+    h = x
+    for layer in params[:-1]:
+        layer = {k: np.asarray(v, np.float64) for k, v in layer.items()}
+        h = np.maximum(numpy_layer_norm(h @ layer['w'] + layer['b'], layer['scale'],
+                                        layer['offset']), 0.0)
+    want = h @ np.asarray(params[-1]['w'], np.float64) + np.asarray(params[-1]['b'], np.float64)
+    got = common.network(params, jnp.asarray(x, jnp.float32), (4,))
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+    # Scale and offset carry the output: the plain net's differs.
+    assert not np.allclose(common.network([{'w': l['w'], 'b': l['b']} for l in params],
+                                          jnp.asarray(x, jnp.float32), (4,)), want, atol=1e-3)
+
+    obs_shape = (5, 4, 2)
+    conv_params = common.init_network(jax.random.PRNGKey(1), obs_shape, (6,), 3, 'conv',
+                                      conv_channels=(4,), layer_norm=True)
+    assert sorted(conv_params['conv'][0]) == ['b', 'offset', 'scale', 'w']
+    conv_params = jax.tree.map(lambda leaf: leaf + 0.3 * jnp.asarray(
+        rng.normal(size=leaf.shape), leaf.dtype), conv_params)
+    images = jax.random.normal(jax.random.PRNGKey(2), (7,) + obs_shape)
+    layer = conv_params['conv'][0]
+    kernel = jnp.transpose(layer['w'], (3, 2, 0, 1))
+    h = jax.lax.conv(jnp.transpose(images, (0, 3, 1, 2)), kernel, (1, 1), 'VALID')
+    h = np.asarray(jnp.transpose(h, (0, 2, 3, 1)), np.float64) + np.asarray(layer['b'])
+    h = np.maximum(numpy_layer_norm(h, np.asarray(layer['scale']), np.asarray(layer['offset'])),
+                   0.0).reshape(7, -1)  # over each cell's channels
+    head = [{k: np.asarray(v, np.float64) for k, v in l.items()} for l in conv_params['mlp']]
+    h = np.maximum(numpy_layer_norm(h @ head[0]['w'] + head[0]['b'], head[0]['scale'],
+                                    head[0]['offset']), 0.0)
+    np.testing.assert_allclose(common.network(conv_params, images, obs_shape),
+                               h @ head[1]['w'] + head[1]['b'], rtol=1e-4, atol=1e-4)
+
+
 def test_torso_choice():
     assert common.resolve_torso('auto', (10, 10, 4)) == 'conv'
     assert common.resolve_torso('auto', (4,)) == 'mlp'

@@ -315,6 +315,118 @@ class NStepAndTargetsTest(chex.TestCase):
             (0.25 + 9.0) / 2, rtol=1e-6)
 
 
+# ---------------------------------------------------------------------------
+# The estimators' targets (td_lambda, monte_carlo) against a plain-numpy
+# lambda-return written from its definition.
+# ---------------------------------------------------------------------------
+
+
+def ref_lambda_targets(reward, terminated, truncated, next_value, gamma, lam):
+    """G_t = (1 - lam) sum_{n < h} lam^(n-1) G_t^(n) + lam^(h-1) G_t^(h), where
+    G_t^(n) = sum_{i < n} gamma^i r_{t+i} + gamma^n v_{t+n-1} (0 if that step
+    terminated) and h reaches the episode's last step or the block's. lam = 1
+    is the Monte-Carlo return (bootstrapped at truncation and the block's end)."""
+    steps = len(reward)
+    targets = np.zeros(steps)
+    for t in range(steps):
+        h = 1
+        while t + h - 1 < steps - 1 and not (terminated[t + h - 1] or truncated[t + h - 1]):
+            h += 1
+        n_step = []
+        for n in range(1, h + 1):
+            last = t + n - 1
+            bootstrap = 0.0 if terminated[last] else next_value[last]
+            n_step.append(sum(gamma ** i * reward[t + i] for i in range(n))
+                          + gamma ** n * bootstrap)
+        weights = [(1 - lam) * lam ** (n - 1) for n in range(1, h)] + [lam ** (h - 1)]
+        targets[t] = np.dot(weights, n_step)
+    return targets
+
+
+def estimator_targets(transform, estimator, reward, terminated, truncated, next_value, gamma,
+                      lam):
+    terminated = np.asarray(terminated, bool)
+    done = terminated | np.asarray(truncated, bool)
+    discount = gamma * (1.0 - terminated)
+    out = transform(dqn.slice_targets, static_argnums=0)(
+        estimator, gamma, lam, jnp.asarray(reward, jnp.float32), jnp.asarray(done),
+        jnp.asarray(discount, jnp.float32), jnp.asarray(next_value, jnp.float32))
+    return np.asarray(out)
+
+
+class EstimatorTargetsTest(chex.TestCase):
+    """slice_targets: Q(lambda) and Monte-Carlo targets over one env's slice,
+    bootstrapping through truncation and the block's end, never termination."""
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_td_lambda_hand_values(self):
+        # Termination at step 1, truncation at step 3, block ends after step 5.
+        v = [10.0, 11.0, 12.0, 13.0, 14.0, 15.0]  # value of each step's next observation
+        got = estimator_targets(self.variant, 'td_lambda', HAND_REWARD, HAND_TERMINATED,
+                                HAND_TRUNCATED, v, 0.5, 0.5)
+        g1 = 2.0  # terminated: its reward alone
+        g0 = 1.0 + 0.5 * (0.5 * 10.0 + 0.5 * g1)
+        g3 = 4.0 + 0.5 * 13.0  # truncated: bootstraps from its final observation
+        g2 = 3.0 + 0.5 * (0.5 * 12.0 + 0.5 * g3)
+        g5 = 6.0 + 0.5 * 15.0  # the block's end
+        g4 = 5.0 + 0.5 * (0.5 * 14.0 + 0.5 * g5)
+        np.testing.assert_allclose(got, [g0, g1, g2, g3, g4, g5], rtol=1e-6)
+
+    @chex.variants(with_jit=True, without_jit=True)
+    @parameterized.parameters(('td_lambda', 0.0), ('td_lambda', 0.65), ('td_lambda', 1.0),
+                              ('monte_carlo', 1.0))
+    def test_matches_definition_on_random_blocks(self, estimator, lam):
+        rng = np.random.default_rng(3)
+        steps, gamma = 13, 0.9
+        reward = rng.normal(size=steps)
+        terminated = rng.random(steps) < 0.15
+        truncated = rng.random(steps) < 0.15
+        terminated[4], truncated[8] = True, True  # both, whatever the draw
+        next_value = rng.normal(size=steps) * 3
+        got = estimator_targets(self.variant, estimator, reward, terminated, truncated,
+                                next_value, gamma, 0.3 if estimator == 'monte_carlo' else lam)
+        want = ref_lambda_targets(reward, terminated, truncated, next_value, gamma, lam)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+    def test_lambda_zero_is_the_one_step_target(self):
+        rng = np.random.default_rng(4)
+        reward, next_value = rng.normal(size=9), rng.normal(size=9)
+        terminated, truncated = rng.random(9) < 0.3, rng.random(9) < 0.3
+        got = estimator_targets(lambda f, **kw: f, 'td_lambda', reward, terminated, truncated,
+                                next_value, 0.8, 0.0)
+        np.testing.assert_allclose(got, reward + 0.8 * (1 - terminated) * next_value,
+                                   rtol=1e-5, atol=1e-6)
+
+
+def test_replay_targets_follow_each_env_through_its_block():
+    """replay_targets reads a block as [steps, n_envs], time-major: each env's
+    own steps in order, with the next observations' values of the target net."""
+    config = dqn.Config(env=PROBES['counter'], epochs=2, n_replay_epochs=2, gamma=0.5,
+                        max_steps=3, advantage_estimator='td_lambda', lambda_=0.7,
+                        double_dqn=False, **{**TINY, 'n_envs': 2, 'n_interactions_per_epoch': 8})
+    agent = dqn.make_agent(config)
+    hp = single_hp(config)
+    state = jax.jit(agent.init)(jax.random.PRNGKey(0), hp)
+    epoch = jax.jit(agent.epoch)
+    state, _ = epoch(hp, *epoch(hp, state)[:1])  # two blocks of 2 envs x 4 steps
+    replay = jax.device_get(state.replay)
+    targets = np.asarray(jax.jit(functools.partial(dqn.replay_targets, agent.spec))(
+        hp, state.params, state.target_params, state.replay))
+    assert targets.shape == (2, 8)
+    for block in range(2):
+        for env in range(2):
+            rows = np.arange(4) * 2 + env
+            obs = replay.obs[block, rows, 0]
+            assert set(np.diff(obs)) <= {1.0, -2.0}  # the counter: 0 1 2, reset, ...
+            done = replay.done[block, rows]
+            np.testing.assert_array_equal(done, obs == 2)  # truncated after 3 steps
+            next_value = q_of(config, state.target_params,
+                              replay.bootstrap_obs[block, rows]).max(-1)
+            want = ref_lambda_targets(replay.reward_sum[block, rows], np.zeros(4, bool), done,
+                                      next_value, 0.5, 0.7)
+            np.testing.assert_allclose(targets[block, rows], want, rtol=1e-5, atol=1e-5)
+
+
 class ContractTest(chex.TestCase):
     """A wrong-shaped call fails with chex's message naming the argument (with jit:
     while tracing) instead of broadcasting into a wrong result."""
@@ -732,6 +844,22 @@ def test_probe_truncation_bootstraps():
                                atol=PROBE_TOLERANCE)
 
 
+@pytest.mark.parametrize('estimator', ['td_lambda', 'monte_carlo'])
+def test_probe_estimator_targets_bootstrap_through_truncation(estimator):
+    """The truncation probe (Q = 2) with the estimators' targets over the
+    replayed slices: lambda 0.65, as PQN's."""
+    config, params = train_probe('truncation', advantage_estimator=estimator, lambda_=0.65)
+    np.testing.assert_allclose(q_of(config, params, [[0.0]]), [[2.0, 2.0]],
+                               atol=PROBE_TOLERANCE)
+
+
+def test_probe_two_step_credit_with_td_lambda():
+    config, params = train_probe('two_step', advantage_estimator='td_lambda')
+    gamma = config.gamma
+    np.testing.assert_allclose(q_of(config, params, [[0.0], [1.0]]),
+                               [[gamma, gamma], [1.0, 1.0]], atol=PROBE_TOLERANCE)
+
+
 def test_probe_image_observation_through_the_conv_torso():
     """5x5x2 grid, reward +-1 by which channel holds the one lit cell, anywhere:
     --torso auto picks the conv torso, and its Q reads the channel at every cell."""
@@ -897,6 +1025,14 @@ def test_cli_unknown_env_lists_valid_envs(capsys, tmp_path):
     err = cli_error(capsys, tmp_path, '--env', 'NoSuchEnv-v0')
     assert 'NoSuchEnv-v0' in err
     assert 'CartPole-v1' in err and 'Breakout-MinAtar' in err
+
+
+def test_cli_estimator_targets_need_interaction_blocks(capsys, tmp_path):
+    err = cli_error(capsys, tmp_path, '--advantage-estimator', 'td_lambda',
+                    '--n-trajectories-per-epoch', '4', '--n-interactions-per-epoch', 'none')
+    assert 'n-interactions-per-epoch' in err
+    err = cli_error(capsys, tmp_path, '--advantage-estimator', 'gae')
+    assert 'advantage-estimator' in err
 
 
 def test_cli_rejects_max_slice_length_1(capsys, tmp_path):
