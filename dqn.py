@@ -681,6 +681,32 @@ ENV_SETTINGS = {
 }
 
 
+# ---------------------------------------------------------------------------
+# PQN (Gallici et al. 2024, "Simplifying Deep Temporal Difference Learning")
+# as DQN settings: its MinAtar recipe, github.com/mttga/purejaxql,
+# purejaxql/config/alg/pqn_minatar.yaml: 128 envs x 32 steps an update, then
+# 2 passes of 32 minibatches (64 steps of 128) over that rollout alone,
+# lambda-returns (lambda 0.65, gamma 0.99) from the network that played it
+# (no target network), LayerNorm after the conv and the dense layer, lr 5e-4
+# decaying linearly to 0, L2 loss, epsilon 1 -> 0.05 over the first 10% of
+# its 1e7 steps, greedy tests on 128 envs. Ours decays epsilon geometrically
+# (x 0.9878 an epoch reaches 0.05 at the same epoch, 244 of 2441) and samples
+# minibatches with replacement; what else differs: docs/dqn.md.
+#     python dqn.py --env Breakout-MinAtar $(flags of PQN_MINATAR)   # see docs/dqn.md
+# ---------------------------------------------------------------------------
+
+PQN_MINATAR = {
+    'advantage_estimator': 'td_lambda', 'lambda_': 0.65, 'gamma': 0.99,
+    'n_envs': 128, 'n_interactions_per_epoch': 128 * 32, 'epochs': 2441,
+    'train_steps_per_epoch': 2 * 32, 'batch_size': 128 * 32 // 32,
+    'n_replay_epochs': 1, 'sync_freq': 1, 'double_dqn': False,
+    'layer_norm': True, 'conv_channels': (16,), 'hidden_sizes': (128,),
+    'lr': 5e-4, 'smoothl1loss': False,  # lr_schedule: the default, constant * linear_decay
+    'scale_value_targets': False, 'exploration_constant': 1.0,
+    'exploration_decay_factor': 0.9878, 'exploration_minimum': 0.05, 'n_eval_episodes': 128,
+}
+
+
 def check_config(config: Config):
     """Each field's declared constraint, then the rules that tie fields together."""
     common.check_fields(config)
