@@ -67,14 +67,14 @@ class Config:
     max_slice_length: int = common.option(
         4, 'Trax slice length L >= 2: targets are (L-1)-step returns (Trax: 1, broken)', bounds='[2, inf)')
     advantage_estimator: str = common.option(
-        'td_k', 'targets: td_k (n-step returns, n = max_slice_length - 1), td_lambda '
-        '(lambda-returns: Q(lambda), PQN\'s targets) or monte_carlo (returns to the '
-        'episode\'s or the block\'s end), common.py\'s estimators over each env\'s slice '
-        'of each replayed epoch, refreshed once an epoch from the target net (Trax: td_k)',
-        choices=ESTIMATORS)
+        'td_k', 'targets (Trax\'s DQN advantage_estimator): td_k, n-step returns (n = '
+        'max_slice_length - 1); td_lambda, lambda-returns (Q(lambda), as PQN); monte_carlo, '
+        'returns to the episode\'s or the block\'s end; the last two by common.py\'s '
+        'estimators over each env\'s slice of each replayed epoch, refreshed each epoch '
+        'from the target net', choices=ESTIMATORS)
     lambda_: float = common.option(
-        0.95, 'td_lambda\'s lambda (Trax\'s estimators: lambda_ 0.95; PQN: 0.65)', sweep=True,
-        bounds='[0, 1]')
+        0.95, 'td_lambda\'s lambda (Trax\'s estimators\' lambda_: 0.95; PQN on MinAtar: '
+        '0.65)', sweep=True, bounds='[0, 1]')
     double_dqn: bool = common.option(True, 'pick a* by the online net (Trax default: off)')
     smoothl1loss: bool = common.option(True, 'Huber (delta 1) loss; off: L2')
     scale_value_targets: bool = common.option(

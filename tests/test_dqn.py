@@ -1057,6 +1057,22 @@ def test_env_settings_table_names_real_fields_and_discrete_envs():
         dqn.check_config(dataclasses.replace(dqn.Config(env=name), **settings))
 
 
+def test_pqn_settings_build_and_are_docs_command():
+    """dqn.PQN_MINATAR: PQN's MinAtar recipe builds on Breakout-MinAtar (traced,
+    nothing run) and docs/dqn.md's command gives exactly those flags."""
+    config = dqn.Config(env='Breakout-MinAtar', **dqn.PQN_MINATAR)
+    agent = dqn.make_agent(config)
+    spec = agent.spec
+    assert (spec.n_envs, spec.steps, spec.n_step, spec.torso) == (128, 32, 1, 'conv')
+    assert spec.estimator_targets and config.n_replay_epochs == 1 and config.sync_freq == 1
+    state = jax.eval_shape(agent.init, jax.random.PRNGKey(0), single_hp(config))
+    assert sorted(state.params['conv'][0]) == ['b', 'offset', 'scale', 'w']
+    assert sorted(state.params['mlp'][0]) == ['b', 'offset', 'scale', 'w']
+    assert state.replay.target.shape == (1, 4096)
+    doc = (REPO / 'docs' / 'dqn.md').read_text().replace('\\\n    ', '')
+    assert f'python dqn.py --env Breakout-MinAtar {flags.settings_flags(dqn.PQN_MINATAR)}\n' in doc
+
+
 def test_help_lists_the_env_settings(capsys):
     with pytest.raises(SystemExit):
         dqn.main(['--help'])
