@@ -576,6 +576,7 @@ def ring_run():
 
 def test_replay_ring_holds_exactly_the_last_n_replay_epochs(ring_run):
     replays, _ = ring_run
+    assert replays.done is None and replays.target is None  # td_k: the state as it was
     # Each env saw obs 0 1 2 3 | 4 5 0 1 | 2 3 4 5 in epochs 1 | 2 | 3.
     epoch_obs = {1: [0, 1, 2, 3], 2: [4, 5, 0, 1], 3: [2, 3, 4, 5]}
     epoch_obs = {e: sorted(obs * 2) for e, obs in epoch_obs.items()}
