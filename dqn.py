@@ -32,6 +32,7 @@ from typing import NamedTuple, Optional
 import chex
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 import common
@@ -741,9 +742,15 @@ def check_block_length(n_step, steps):
 
 def check_hyperparameters(config, runs):
     """Cross-field rules on every value of a (possibly swept) hyperparameter."""
+    default_lambda = next(f.default for f in dataclasses.fields(Config) if f.name == 'lambda_')
     for run in runs:
         if run['gamma'] == 1 and config.scale_value_targets:
             raise common.UsageError('--gamma 1 needs --no-scale-value-targets (scale 1/(1-gamma))')
+        # Saved with the run and binding its resume while changing nothing: refused.
+        if (config.advantage_estimator != 'td_lambda'
+                and np.float32(run['lambda_']) != np.float32(default_lambda)):
+            raise common.UsageError('--lambda acts with --advantage-estimator td_lambda only, '
+                                    f'not {config.advantage_estimator}')
 
 
 def main(argv=None):

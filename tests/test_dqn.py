@@ -1034,6 +1034,8 @@ def test_cli_estimator_targets_need_interaction_blocks(capsys, tmp_path):
     assert 'n-interactions-per-epoch' in err
     err = cli_error(capsys, tmp_path, '--advantage-estimator', 'gae')
     assert 'advantage-estimator' in err
+    err = cli_error(capsys, tmp_path, '--lambda', '0.65')  # td_k: it would change nothing
+    assert '--lambda' in err and 'td_lambda' in err
 
 
 def test_cli_rejects_max_slice_length_1(capsys, tmp_path):
