@@ -401,12 +401,31 @@ def conv(params, x, stride=1):
     """
     batch_shape = x.shape[:-3]
     x = x.reshape((-1,) + x.shape[-3:])
+    n = x.shape[0]
+    if n > CONV_CHUNK:  # a rollout's worth: chunk by chunk (each row's result unchanged)
+        x = jnp.concatenate([x, jnp.zeros((-n % CONV_CHUNK,) + x.shape[1:], x.dtype)])
+        x = jax.lax.map(functools.partial(conv_layers, params, stride=stride),
+                        x.reshape((-1, CONV_CHUNK) + x.shape[1:]))
+        x = x.reshape((-1,) + x.shape[2:])[:n]
+    else:
+        x = conv_layers(params, x, stride)
+    return x.reshape(batch_shape + (-1,))
+
+
+# Batches past this many observations go through the conv layers in chunks of
+# it: a 4096-observation MinAtar rollout took 126 ms in one piece (its patches,
+# 37 MB, fall out of the cache) and 23 ms in chunks of 512, bitwise the same.
+CONV_CHUNK = 512
+
+
+def conv_layers(params, x, stride=1):
+    """conv's layers on one batch [N, H, W, C] -> [N, H', W', C']."""
     for layer in params:
         kernel = layer['w']  # [k, k, in, out]
         size, _, channels_in, channels_out = kernel.shape
         x = jax.nn.relu(layer_norm(layer, conv_patches(x, size, stride)
                                    @ kernel.reshape(-1, channels_out) + layer['b']))
-    return x.reshape(batch_shape + (-1,))
+    return x
 
 
 def conv_patches(x, size, stride=1):
