@@ -130,9 +130,16 @@ class Config:
     scale_value_targets: bool = common.option(
         False, 'the value network predicts V * (1 - gamma) (Trax: off)')
     torso: str = common.option(
-        'auto', 'policy and value torso: mlp, conv (3x3 convs, ReLU, flatten) or auto '
-        '(conv for [height, width, channels] observations, mlp otherwise)',
-        choices=common.TORSOS)
+        'auto', 'policy and value torso: mlp, conv (3x3 convs, ReLU, flatten), auto (conv '
+        'for [height, width, channels] observations, mlp otherwise) or gru: auto\'s layers, '
+        'then a GRU whose state carries through each episode; it trains on sequences of '
+        '--max-slice-length steps from the state stored at their first step',
+        choices=common.POLICY_TORSOS)
+    gru_size: int = common.option(64, '--torso gru: the GRU\'s state size', bounds='[1, inf)')
+    max_slice_length: Optional[int] = common.option(
+        None, '--torso gru: steps per training sequence (truncated backpropagation through '
+        'time; Trax\'s max_slice_length); must divide the rows\' length and the batch '
+        'sizes (default: the rows\' length)', bounds='[1, inf)')
     conv_channels: tuple[int, ...] = common.option(
         (16,), 'conv torso: channels of each 3x3 stride-1 conv (MinAtar paper: 16)',
         bounds='[1, inf)')
@@ -178,6 +185,10 @@ class Rollout(NamedTuple):
     final_obs: jax.Array  # the observation the step led to, before any auto-reset
     valid: jax.Array  # False: padding after an episode's end (n_trajectories mode)
     last_obs: jax.Array  # [n_envs, ...]: each env's observation after its last step
+    # --torso gru: {'policy', 'value'}: the GRU state each step started from
+    # [n_envs, steps, H], and after the row's last step [n_envs, H]; else {}.
+    memory: dict = {}
+    last_memory: dict = {}
 
 
 class State(NamedTuple):
@@ -186,6 +197,7 @@ class State(NamedTuple):
     env_state: object
     obs: jax.Array
     episode_return: jax.Array  # running undiscounted return of each env
+    memory: dict  # --torso gru: each env's GRU states {'policy', 'value': [n_envs, H]}; else {}
     key: jax.Array  # the training stream: split at each use
     eval_key: jax.Array  # the evaluation stream's root, never advanced (common.evaluation_key)
     epoch: jax.Array  # completed epochs
@@ -419,6 +431,36 @@ def flat(x):
     return x.reshape((-1,) + x.shape[3:])
 
 
+def units(spec, x):
+    """Replayed rows [n_replay_epochs, n_envs, steps, ...] as minibatches draw
+    them: steps [N, ...] (flat), or with the recurrent torso sequences of
+    slice_length steps [N / slice_length, slice_length, ...], in order."""
+    if not spec.policy.gru_size:
+        return flat(x)
+    return x.reshape((-1, spec.slice_length) + x.shape[3:])
+
+
+def resets(rollout):
+    """Where the GRU state is zeros after a step: its episode ended (or it is
+    padding), as in the rollout."""
+    return rollout.terminated | rollout.truncated | ~rollout.valid
+
+
+def sequence_memory(batch):
+    """A minibatch's (GRU states at its sequences' first steps, resets) for
+    common.features_of; None for the memoryless torsos."""
+    return (batch['memory'], batch['reset']) if 'memory' in batch else None
+
+
+def with_memory(spec, data, replay, name):
+    """data (units) plus, with the recurrent torso, network `name`'s stored
+    GRU state at each sequence's first step and the resets."""
+    if not spec.policy.gru_size:
+        return data
+    return {**data, 'memory': units(spec, replay.memory[name])[:, 0],
+            'reset': units(spec, resets(replay))}
+
+
 # ---------------------------------------------------------------------------
 # The phases: functions of the static Spec, made per-run by make_agent.
 # ---------------------------------------------------------------------------
@@ -434,6 +476,7 @@ class Spec(NamedTuple):
     steps: int  # env steps per env and epoch: the rows' length
     estimator: str
     margin: int  # the estimators' look-ahead (--added-policy-slice-length)
+    slice_length: int  # --torso gru: steps per training sequence; else 1
     chunk_steps: int  # policy steps per metric chunk
     value_chunk_steps: int  # value steps per chunk (between target syncs)
     total_train_steps: int  # the policy schedule's length
@@ -463,10 +506,28 @@ def value_scale(spec, hp):
     return 1.0 / (1.0 - hp['gamma']) if spec.config.scale_value_targets else 1.0
 
 
-def value_net(spec, value_params, obs):
-    """The network's output, V / scale, for [..., *obs_shape] observations."""
-    return common.network(value_params, common.observe(spec.policy, obs),
-                          spec.policy.obs_shape)[..., 0]
+def value_net(spec, value_params, obs, memory=None):
+    """The network's output, V / scale, for [..., *obs_shape] observations
+    (with the recurrent torso, sequences [B, L, ...] and their `memory`)."""
+    features = common.features_of(spec.policy, value_params, obs, memory)
+    return common.network_head(value_params, features)[..., 0]
+
+
+def recurrent_values(spec, value_params, rows):
+    """With the recurrent torso: (V(s), V(final_obs), V(last_obs)) / scale of
+    rows [R, T]: the value network over each row's sequences from their stored
+    GRU states; V(final_obs_t) steps the GRU once more from the state after
+    step t (before its reset), V(last_obs) from the row's last state."""
+    policy, net = spec.policy, value_params
+    sequence = lambda x: common.sequences(x, spec.slice_length)
+    outputs = common.features_of(policy, net, sequence(rows.obs),
+                                 (sequence(rows.memory['value'])[:, 0], sequence(resets(rows))))
+    step = lambda h, obs: common.gru_step(net['gru'], h, common.gru_inputs(
+        net, common.observe(policy, obs), policy.obs_shape))
+    head = lambda h: common.network_head(net, h)[..., 0].reshape(h.shape[0], -1)
+    return (head(outputs.reshape(rows.reward.shape + (-1,))),
+            head(step(outputs, sequence(rows.final_obs)).reshape(rows.reward.shape + (-1,))),
+            common.network_head(net, step(rows.last_memory['value'], rows.last_obs))[..., 0])
 
 
 def init(spec, key, hp):
@@ -479,7 +540,9 @@ def init(spec, key, hp):
     # small as the policy's, so early targets are about the rewards' scale.
     value_key, key = jax.random.split(key)
     value_params = common.init_network(value_key, policy.obs_shape, policy.hidden_sizes, 1,
-                                       policy.torso, policy.conv_channels, last_scale=0.01)
+                                       policy.torso, policy.conv_channels, last_scale=0.01,
+                                       gru_size=policy.gru_size)
+    memory = common.initial_memory(policy, ['policy', 'value'], spec.n_envs)
     slots = (spec.config.n_replay_epochs, spec.n_envs)
     rows = lambda shape, dtype: jnp.zeros(slots + (spec.steps,) + shape, dtype)
     obs_dtype = policy.obs_dtype
@@ -489,9 +552,12 @@ def init(spec, key, hp):
                      reward=rows((), jnp.float32), terminated=rows((), bool),
                      truncated=rows((), bool), final_obs=rows(policy.obs_shape, obs_dtype),
                      valid=rows((), bool),  # all invalid: nothing collected yet
-                     last_obs=jnp.zeros(slots + policy.obs_shape, obs_dtype))
+                     last_obs=jnp.zeros(slots + policy.obs_shape, obs_dtype),
+                     memory=jax.tree.map(lambda h: rows(h.shape[1:], h.dtype), memory),
+                     last_memory=jax.tree.map(lambda h: jnp.zeros(slots + h.shape[1:]), memory))
     return State(params=params, opt_state=optimizer(spec, hp).init(params),
-                 env_state=env_state, obs=obs, episode_return=jnp.zeros(spec.n_envs), key=key,
+                 env_state=env_state, obs=obs, episode_return=jnp.zeros(spec.n_envs),
+                 memory=memory, key=key,
                  eval_key=eval_key, epoch=zero, train_step=zero, n_interactions=zero, n_trajectories=zero,
                  value_params=value_params,
                  value_opt_state=value_optimizer(spec, hp).init(value_params),
@@ -500,8 +566,10 @@ def init(spec, key, hp):
 
 def collect(spec, hp, state):
     """One epoch of temperature-1 experience into its slot of `state.replay`."""
+    nets = ({'policy': state.params['net'], 'value': state.value_params}
+            if spec.policy.gru_size else {})
     key, carry, rec = common.collect_rollout(spec.policy, state, spec.n_envs, spec.steps,
-                                             spec.fresh_episodes, final_obs=True)
+                                             spec.fresh_episodes, final_obs=True, nets=nets)
     # An episode cut by the row's end in n_trajectories mode (only if the
     # env's own limit is longer) is truncated there.
     truncated = rec['truncated']
@@ -510,7 +578,8 @@ def collect(spec, hp, state):
     rollout = Rollout(obs=rec['obs'], action=rec['action'], reward=rec['reward'],
                       terminated=rec['terminated'] & rec['valid'],
                       truncated=truncated & rec['valid'], final_obs=rec['final_obs'],
-                      valid=rec['valid'], last_obs=carry[0])
+                      valid=rec['valid'], last_obs=carry[0], memory=rec['memory'],
+                      last_memory=carry[3])
     slot = state.epoch % spec.config.n_replay_epochs  # overwrites the oldest epoch's
     replay = jax.tree.map(lambda buffer, new: buffer.at[slot].set(new), state.replay, rollout)
     state, metrics = common.finish_collect(state, key, carry, rec, spec.fresh_episodes)
@@ -524,9 +593,13 @@ def advantages_of(spec, hp, value_params, replay):
     shape = replay.reward.shape
     rollout = jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:]), replay)  # rows
     scale = value_scale(spec, hp)
-    values = scale * value_net(spec, value_params, rollout.obs)
-    final_values = scale * value_net(spec, value_params, rollout.final_obs)
-    last_values = scale * value_net(spec, value_params, rollout.last_obs)
+    if spec.policy.gru_size:
+        values, final_values, last_values = jax.tree.map(
+            lambda v: scale * v, recurrent_values(spec, value_params, rollout))
+    else:
+        values = scale * value_net(spec, value_params, rollout.obs)
+        final_values = scale * value_net(spec, value_params, rollout.final_obs)
+        last_values = scale * value_net(spec, value_params, rollout.last_obs)
     reward = bootstrapped_rewards(rollout.reward, rollout.terminated, rollout.truncated,
                                   final_values, hp['gamma'])
     done = rollout.terminated | rollout.truncated
@@ -537,14 +610,18 @@ def advantages_of(spec, hp, value_params, replay):
 
 
 def minibatches(spec, key, weight, n_steps, batch_size):
-    """-> step index -> that step's minibatch of indices (None: every step).
-    Every pass's order is drawn up front where every collected step is
-    weighted (the n_interactions mode), so the minibatch steps sort nothing:
-    as many passes as the fewest weighted steps need, one epoch's (the replay
-    may not be full yet)."""
+    """-> step index -> that step's minibatch of indices (None: every step)
+    into `weight`'s units: steps, or with the recurrent torso sequences
+    (batch_size / slice_length of them; a sequence counts if any of its
+    steps does). Every pass's order is drawn up front where every collected
+    step is weighted (the n_interactions mode), so the minibatch steps sort
+    nothing: as many passes as the fewest weighted units need, one epoch's
+    (the replay may not be full yet)."""
     if not batch_size:
         return lambda i: None
-    one_epoch = spec.n_envs * spec.steps
+    if weight.ndim == 2:  # sequences
+        weight, batch_size = weight.max(axis=1), batch_size // spec.slice_length
+    one_epoch = spec.n_envs * spec.steps // spec.slice_length
     orders = (None if spec.fresh_episodes
               else pass_orders(key, weight, passes_needed(n_steps, batch_size, one_epoch)))
     return lambda i: minibatch_indices(key, weight, batch_size, i, orders)
@@ -554,9 +631,10 @@ def value_step(spec, hp, data, minibatch, carry, i):
     """One L2 step of the value network on step i's minibatch of `data`."""
     value_params, opt_state, n = carry
     index = minibatch(i)
-    obs, targets, weight = data if index is None else jax.tree.map(lambda x: x[index], data)
-    loss, grads = jax.value_and_grad(
-        lambda p: value_loss(value_net(spec, p, obs), targets, weight))(value_params)
+    batch = data if index is None else jax.tree.map(lambda x: x[index], data)
+    predict = lambda p: value_net(spec, p, batch['obs'], sequence_memory(batch)).reshape(-1)
+    loss, grads = jax.value_and_grad(lambda p: value_loss(
+        predict(p), batch['targets'].reshape(-1), batch['weight'].reshape(-1)))(value_params)
     grads = clip_by_global_norm(grads, hp['max_grad_norm'])
     updates, opt_state = value_optimizer(spec, hp).update(grads, opt_state, value_params)
     return (optax.apply_updates(value_params, updates), opt_state, n + 1), loss
@@ -566,17 +644,20 @@ def value_chunk(spec, hp, state, key):
     """One value trainer chunk: targets V_target(s) + A from the target
     network (fixed through the chunk), value_chunk_steps steps of L2 on
     target / scale, then the target network is synced to the trained one."""
-    adv, values = advantages_of(spec, hp, state.target_value_params, state.replay)
-    weight = flat(state.replay.valid).astype(jnp.float32)
-    obs, targets = flat(state.replay.obs), flat(values + adv) / value_scale(spec, hp)
+    replay = state.replay
+    adv, values = advantages_of(spec, hp, state.target_value_params, replay)
+    weight = units(spec, replay.valid).astype(jnp.float32)
+    targets = units(spec, values + adv) / value_scale(spec, hp)
+    data = with_memory(spec, {'obs': units(spec, replay.obs), 'targets': targets,
+                              'weight': weight}, replay, 'value')
     minibatch = minibatches(spec, key, weight, spec.value_chunk_steps,
                             spec.config.value_batch_size)
-    step = functools.partial(value_step, spec, hp, (obs, targets, weight), minibatch)
+    step = functools.partial(value_step, spec, hp, data, minibatch)
     (value_params, opt_state, n), losses = jax.lax.scan(
         step, (state.value_params, state.value_opt_state, state.value_train_step),
         jnp.arange(spec.value_chunk_steps))
     metrics = {'metrics/value_loss': losses.mean(),
-               'metrics/value_mean': masked_mean(flat(values), weight),
+               'metrics/value_mean': masked_mean(units(spec, values), weight),
                'metrics/returns_mean': masked_mean(targets * value_scale(spec, hp), weight)}
     return state._replace(value_params=value_params, value_opt_state=opt_state,
                           value_train_step=n, target_value_params=value_params), metrics
@@ -594,8 +675,10 @@ def awr_metrics(weights, weight):
 
 def policy_objective(spec, params, batch, hp):
     """(the A2C, PPO or AWR loss minus the entropy bonus, metrics) on a minibatch."""
-    obs, action, adv, old_log_probs, weight = batch
-    log_probs, entropy = common.log_prob_and_entropy(spec.policy, params, obs, action)
+    log_probs, entropy = jax.tree.map(lambda x: x.reshape(-1), common.log_prob_and_entropy(
+        spec.policy, params, batch['obs'], batch['action'], sequence_memory(batch)))
+    adv, old_log_probs, weight = (batch[name].reshape(-1)
+                                  for name in ('adv', 'old_log_probs', 'weight'))
     if spec.config.normalize_advantages:  # per minibatch, as Trax's policy loss layer
         adv = normalized_advantages(adv, weight, hp['advantage_normalization_factor'],
                                     hp['advantage_normalization_epsilon'])
@@ -631,16 +714,20 @@ def policy_step(spec, hp, data, minibatch, state, i):
 def policy_chunks(spec, hp, state, key):
     """train_steps_per_epoch policy steps (evals_per_epoch chunks) on the
     replay's steps, advantages from the value network just trained."""
-    adv, _ = advantages_of(spec, hp, state.value_params, state.replay)
-    weight = flat(state.replay.valid).astype(jnp.float32)
-    obs, action, adv = flat(state.replay.obs), flat(state.replay.action), flat(adv)
+    replay = state.replay
+    adv, _ = advantages_of(spec, hp, state.value_params, replay)
+    weight = units(spec, replay.valid).astype(jnp.float32)
+    adv = units(spec, adv)
+    data = with_memory(spec, {'obs': units(spec, replay.obs),
+                              'action': units(spec, replay.action), 'adv': adv,
+                              'weight': weight}, replay, 'policy')
     # The collecting policy's log-probs (Trax keeps its dist_inputs in the
     # trajectory): the policy has not changed since it collected (PPO and A2C
     # replay one epoch, the latest; AWR does not use them).
-    old_log_probs = (jnp.zeros_like(adv) if spec.config.policy_loss == 'awr' else
-                     jax.lax.stop_gradient(
-                         common.log_prob_and_entropy(spec.policy, state.params, obs, action)[0]))
-    data = (obs, action, adv, old_log_probs, weight)
+    data['old_log_probs'] = (jnp.zeros_like(adv) if spec.config.policy_loss == 'awr' else
+                             jax.lax.stop_gradient(common.log_prob_and_entropy(
+                                 spec.policy, state.params, data['obs'], data['action'],
+                                 sequence_memory(data))[0]))
     raw = {'metrics/advantage_mean': masked_mean(adv, weight),
            'metrics/advantage_std': jnp.sqrt(masked_mean(
                (adv - masked_mean(adv, weight)) ** 2, weight))}
@@ -687,14 +774,17 @@ def make_agent(config: Config) -> common.Agent:
     max_steps = policy.max_steps
     fresh = bool(config.n_trajectories_per_epoch)
     n_envs = config.n_trajectories_per_epoch if fresh else config.n_envs
+    steps = max_steps if fresh else config.n_interactions_per_epoch // config.n_envs
+    check_slices(config, policy, steps)
     epochs = config.lr_decay_epochs or config.epochs
     spec = Spec(
         config=config, policy=policy,
         eval_tags=tuple((t, h) for t in config.eval_temperatures
                         for h in (config.eval_steps or (max_steps,))),
         fresh_episodes=fresh, n_envs=n_envs,
-        steps=max_steps if fresh else config.n_interactions_per_epoch // config.n_envs,
+        steps=steps,
         estimator=config.advantage_estimator, margin=config.added_policy_slice_length,
+        slice_length=(config.max_slice_length or steps) if policy.gru_size else 1,
         chunk_steps=config.train_steps_per_epoch // config.evals_per_epoch,
         value_chunk_steps=config.value_train_steps_per_epoch // config.value_evals_per_epoch,
         total_train_steps=epochs * config.train_steps_per_epoch,
@@ -789,6 +879,25 @@ def check_config(config: Config):
     if config.value_train_steps_per_epoch % config.value_evals_per_epoch:
         raise error(f'--value-train-steps-per-epoch ({config.value_train_steps_per_epoch}) must '
                     f'be divisible by --value-evals-per-epoch ({config.value_evals_per_epoch})')
+
+
+def check_slices(config, policy, steps):
+    """--torso gru's sequences tile the rows and the minibatches."""
+    error = common.UsageError
+    if not policy.gru_size:
+        for name in ('gru_size', 'max_slice_length'):
+            if getattr(config, name) != getattr(Config, name):
+                raise error(f'--{name.replace("_", "-")} acts with --torso gru only')
+        return
+    length = config.max_slice_length or steps
+    if steps % length:
+        raise error(f'--max-slice-length {length} must divide the rows\' length, {steps} '
+                    'steps (--n-interactions-per-epoch / --n-envs, or the episode cap)')
+    for name in ('batch_size', 'value_batch_size'):
+        if getattr(config, name) % length:
+            raise error(f'--{name.replace("_", "-")} ({getattr(config, name)}) must be a '
+                        f'multiple of the sequences\' length ({length}): minibatches are '
+                        'whole sequences')
 
 
 # Fields that act in some modes only: (the mode's field, the modes). Set away

@@ -342,18 +342,25 @@ def mlp_hidden(params, x):
 # ---------------------------------------------------------------------------
 
 TORSOS = ('auto', 'mlp', 'conv')
+# The policies' torsos (pg.py, actor_critic.py) add the recurrent one.
+POLICY_TORSOS = TORSOS + ('gru',)
 
 
-def resolve_torso(torso, obs_shape):
-    """'mlp' or 'conv' for --torso: auto means conv for rank-3 observations."""
-    if torso not in TORSOS:
-        raise UsageError(f'--torso must be one of {", ".join(TORSOS)}, got {torso!r}')
+def resolve_torso(torso, obs_shape, choices=TORSOS):
+    """'mlp', 'conv' or 'gru' for --torso: auto means conv for rank-3 observations."""
+    if torso not in choices:
+        raise UsageError(f'--torso must be one of {", ".join(choices)}, got {torso!r}')
     if torso == 'auto':
         return 'conv' if len(obs_shape) == 3 else 'mlp'
     if torso == 'conv' and len(obs_shape) != 3:
         raise UsageError(f'--torso conv needs [height, width, channels] observations; '
                          f'this env\'s are {list(obs_shape)}')
     return torso
+
+
+def feature_torso(torso, obs_shape):
+    """The torso under a GRU: conv for rank-3 observations, else mlp."""
+    return resolve_torso('auto', obs_shape) if torso == 'gru' else torso
 
 
 def conv_output_shape(in_shape, channels, kernel=3, stride=1):
@@ -439,9 +446,19 @@ def conv_patches(x, size, stride=1):
 
 
 def init_network(key, obs_shape, hidden_sizes, n_outputs, torso='mlp',
-                 conv_channels=(16,), last_scale=1.0, layer_norm=False):
+                 conv_channels=(16,), last_scale=1.0, layer_norm=False, gru_size=0):
     """Params of torso (flatten, or conv_channels 3x3 convs) + MLP head;
-    `layer_norm`: a LayerNorm before every hidden ReLU (conv and dense)."""
+    `layer_norm`: a LayerNorm before every hidden ReLU (conv and dense).
+    torso 'gru': {'base': that network (conv or flatten by the observations'
+    rank) whose last layer is the GRU's input weights [.., 3 * gru_size],
+    'gru': the recurrent weights, 'head': the linear layer on its state}."""
+    if torso == 'gru':
+        base_key, gru_key, head_key = jax.random.split(key, 3)
+        return {'base': init_network(base_key, obs_shape, hidden_sizes, 3 * gru_size,
+                                     feature_torso(torso, obs_shape), conv_channels,
+                                     layer_norm=layer_norm),
+                'gru': init_gru(gru_key, gru_size),
+                'head': init_mlp(head_key, [gru_size, n_outputs], last_scale)}
     if torso == 'conv':
         conv_key, mlp_key = jax.random.split(key)
         features = int(np.prod(conv_output_shape(obs_shape, conv_channels)))
@@ -453,8 +470,13 @@ def init_network(key, obs_shape, hidden_sizes, n_outputs, torso='mlp',
                     layer_norm)
 
 
+def is_recurrent(params):
+    return isinstance(params, dict) and 'gru' in params
+
+
 def network(params, obs, obs_shape):
-    """Apply init_network's params to observations [..., *obs_shape] (float32)."""
+    """Apply init_network's params to observations [..., *obs_shape] (float32);
+    not a recurrent network (recurrent_features steps those)."""
     return network_head(params, network_features(params, obs, obs_shape))
 
 
@@ -468,9 +490,74 @@ def network_features(params, obs, obs_shape):
 
 
 def network_head(params, features):
-    """init_network's last (linear) layer on network_features' output."""
-    last = (params['mlp'] if isinstance(params, dict) and 'conv' in params else params)[-1]
+    """init_network's last (linear) layer on network_features' output (a
+    recurrent network's: on its GRU state)."""
+    if is_recurrent(params):
+        last = params['head'][-1]
+    else:
+        last = (params['mlp'] if isinstance(params, dict) and 'conv' in params else params)[-1]
     return features @ last['w'] + last['b']
+
+
+# ---------------------------------------------------------------------------
+# The recurrent torso: a GRU (Cho et al. 2014) over the MLP/conv features,
+# in the form of cuDNN and flax's GRUCell (the reset gate applied after the
+# recurrent matmul, so a step is one [H, 3H] matmul). A GRU rather than an
+# LSTM: one state vector to carry, store, reset and checkpoint (an LSTM has
+# two), and fewer weights; recurrent PPO in PureJaxRL uses one too. The
+# state is zeros at an episode's first step: the rollout and every sequence
+# pass set it to zeros after a step that ends its episode.
+# ---------------------------------------------------------------------------
+
+
+def init_gru(key, size):
+    """{'wh': [H, 3H] recurrent weights (Glorot-uniform, as Trax's Dense), 'bh': [3H]}
+    for the reset, update and candidate gates; the input weights are the
+    base network's last layer."""
+    limit = math.sqrt(6.0 / (size + 3 * size))
+    return {'wh': jax.random.uniform(key, (size, 3 * size), minval=-limit, maxval=limit),
+            'bh': jnp.zeros((3 * size,))}
+
+
+def gru_step(gru, hidden, inputs):
+    """One GRU step: hidden [..., H], inputs = x W_i + b_i [..., 3H] ->
+    the new state (1 - z) * n + z * h, with r, z = sigmoid(x_r + h_r),
+    sigmoid(x_z + h_z), n = tanh(x_n + r * h_n), h_* = h W_h* + b_h*."""
+    x_r, x_z, x_n = jnp.split(inputs, 3, axis=-1)
+    h_r, h_z, h_n = jnp.split(hidden @ gru['wh'] + gru['bh'], 3, axis=-1)
+    reset = jax.nn.sigmoid(x_r + h_r)
+    update = jax.nn.sigmoid(x_z + h_z)
+    candidate = jnp.tanh(x_n + reset * h_n)
+    return (1.0 - update) * candidate + update * hidden
+
+
+def gru_inputs(params, obs, obs_shape):
+    """A recurrent network's input projections of observations [..., *obs_shape]
+    -> [..., 3H]: every step's at once, outside the recurrence."""
+    return network(params['base'], obs, obs_shape)
+
+
+def recurrent_features(params, obs, obs_shape, hidden, reset):
+    """A recurrent network over sequences: obs [B, L, *obs_shape] from the
+    states `hidden` [B, H] at their first steps; after a step with `reset`
+    [B, L] (its episode ended there, or it is not a step of one) the state is
+    zeros again. -> (the state after each step, before its reset [B, L, H]:
+    what the head reads; the state after the last step, reset applied)."""
+    inputs = gru_inputs(params, obs, obs_shape)
+
+    def step(hidden, xs):
+        inputs, reset = xs
+        out = gru_step(params['gru'], hidden, inputs)
+        return jnp.where(reset[:, None], 0.0, out), out
+
+    hidden, outputs = jax.lax.scan(step, hidden, (jnp.swapaxes(inputs, 0, 1),
+                                                  jnp.swapaxes(reset, 0, 1)))
+    return jnp.swapaxes(outputs, 0, 1), hidden
+
+
+def sequences(x, length):
+    """Rows [R, T, ...] -> sequences [R * T / length, length, ...], in order."""
+    return x.reshape((-1, length) + x.shape[2:])
 
 
 # ---------------------------------------------------------------------------
@@ -565,10 +652,11 @@ class PolicySpec(typing.NamedTuple):
     action_bounds: typing.Any  # Box: (centre, half width, low, high); None otherwise
     sde: bool  # gSDE (Box only)
     sde_sample_freq: int
-    torso: str  # 'mlp' or 'conv'
+    torso: str  # 'mlp', 'conv' or 'gru'
     conv_channels: tuple
     hidden_sizes: tuple
     latent_size: int  # features the last layer reads (gSDE's noise rows)
+    gru_size: int  # the GRU's state size (torso 'gru'), else 0: no memory
 
 
 def policy_spec(config):
@@ -577,9 +665,10 @@ def policy_spec(config):
     space, obs_space = env.action_space(env_params), env.observation_space(env_params)
     kind = space_kind(space)
     obs_shape = tuple(obs_space.shape)
-    torso = resolve_torso(config.torso, obs_shape)
-    if torso == 'conv':
+    torso = resolve_torso(config.torso, obs_shape, POLICY_TORSOS)
+    if feature_torso(torso, obs_shape) == 'conv':
         conv_output_shape(obs_shape, config.conv_channels)  # refuses too small
+    gru_size = config.gru_size if torso == 'gru' else 0
     action_bounds = None
     if kind == 'discrete':
         n_outputs, action_shape = int(space.n), ()
@@ -593,9 +682,9 @@ def policy_spec(config):
         action_bounds = (jnp.asarray(np.where(bounded, (low + high) / 2, 0.0).reshape(-1)),
                          jnp.asarray(np.where(bounded, (high - low) / 2, 1.0).reshape(-1)),
                          jnp.asarray(low), jnp.asarray(high))
-    latent_size = (config.hidden_sizes[-1] if config.hidden_sizes else
-                   int(np.prod(conv_output_shape(obs_shape, config.conv_channels)
-                               if torso == 'conv' else obs_shape)))
+    latent_size = gru_size or (config.hidden_sizes[-1] if config.hidden_sizes else
+                               int(np.prod(conv_output_shape(obs_shape, config.conv_channels)
+                                           if torso == 'conv' else obs_shape)))
     return PolicySpec(
         env=env, env_params=env_params, max_steps=env_max_steps(env_params),
         obs_shape=obs_shape, obs_dtype=jax.eval_shape(
@@ -606,7 +695,7 @@ def policy_spec(config):
         sde=config.state_dependent_exploration and kind == 'box',
         sde_sample_freq=config.sde_sample_freq, torso=torso,
         conv_channels=config.conv_channels, hidden_sizes=config.hidden_sizes,
-        latent_size=latent_size)
+        latent_size=latent_size, gru_size=gru_size)
 
 
 def observe(spec, obs):
@@ -617,13 +706,28 @@ def observe(spec, obs):
     return x
 
 
-def policy_and_features(spec, params, obs):
+def features_of(spec, net, obs, memory=None):
+    """The features a network's last layer reads: of each observation, or
+    with a recurrent torso of sequences obs [B, L, ...] given `memory` =
+    (the GRU state at their first steps [B, H], reset [B, L]; see
+    recurrent_features)."""
+    x = observe(spec, obs)
+    if spec.gru_size:
+        return recurrent_features(net, x, spec.obs_shape, *memory)[0]
+    return network_features(net, x, spec.obs_shape)
+
+
+def policy_and_features(spec, params, obs, memory=None):
     """(distribution inputs: logits, or (mean, log_std) in env units; the
-    features the policy's last layer reads)."""
-    features = network_features(params['net'], observe(spec, obs), spec.obs_shape)
+    features the policy's last layer reads); `memory`: features_of's."""
+    features = features_of(spec, params['net'], obs, memory)
+    return policy_from_features(spec, params, features), features
+
+
+def policy_from_features(spec, params, features):
     out = network_head(params['net'], features)
     if spec.kind == 'discrete':
-        return out, features
+        return out
     centre, half = spec.action_bounds[:2]
     mean = centre + half * out
     if spec.sde:
@@ -635,15 +739,15 @@ def policy_and_features(spec, params, obs):
         log_std = 0.5 * jnp.log(variance + SDE_VARIANCE_FLOOR) + jnp.log(half)
     else:
         log_std = jnp.broadcast_to(params['log_std'] + jnp.log(half), mean.shape)
-    return (mean, log_std), features
+    return mean, log_std
 
 
-def policy(spec, params, obs):
-    return policy_and_features(spec, params, obs)[0]
+def policy(spec, params, obs, memory=None):
+    return policy_and_features(spec, params, obs, memory)[0]
 
 
-def log_prob_and_entropy(spec, params, obs, action):
-    inputs = policy(spec, params, obs)
+def log_prob_and_entropy(spec, params, obs, action, memory=None):
+    inputs = policy(spec, params, obs, memory)
     if spec.kind == 'discrete':
         return categorical_log_prob(inputs, action), categorical_entropy(inputs)
     mean, log_std = inputs
@@ -668,11 +772,15 @@ def rollout_noise(spec, key, length, shape):
     return draws, jnp.broadcast_to(index.reshape(shape[:-1] + (1,)), shape)
 
 
-def act(spec, noise, params, obs, temperature):
+def act(spec, noise, params, obs, temperature, features=None):
     """(action to learn from, action for the env): a Box action is clipped to
     its bounds for the env only; the log-prob is of the sampled action.
-    gSDE's `noise` is the standard-normal weights [..., features, actions]."""
-    inputs, features = policy_and_features(spec, params, obs)
+    gSDE's `noise` is the standard-normal weights [..., features, actions].
+    `features`: the recurrent torso's, already stepped on `obs`."""
+    if features is None:
+        inputs, features = policy_and_features(spec, params, obs)
+    else:
+        inputs = policy_from_features(spec, params, features)
     if spec.kind == 'discrete':
         action = categorical_sample(noise, inputs, temperature)
         return action, action
@@ -699,7 +807,8 @@ def init_policy(spec, key, hp, n_envs, fresh_episodes):
     placeholders of the right shape)."""
     net_key, env_key, key = jax.random.split(key, 3)
     params = {'net': init_network(net_key, spec.obs_shape, spec.hidden_sizes, spec.n_outputs,
-                                  spec.torso, spec.conv_channels, last_scale=0.01)}
+                                  spec.torso, spec.conv_channels, last_scale=0.01,
+                                  gru_size=spec.gru_size)}
     if spec.kind == 'box':
         params['log_std'] = jnp.full((spec.latent_size, spec.n_outputs) if spec.sde
                                      else (spec.n_outputs,), hp['init_log_std'])
@@ -711,13 +820,24 @@ def init_policy(spec, key, hp, n_envs, fresh_episodes):
     return params, obs, env_state, key
 
 
-def rollout_step(spec, params, temperature, one_episode, final_obs, draws, carry, xs):
-    """One step of every env: (carry, the step's record)."""
-    obs, env_state, episode_return, active = carry
+def initial_memory(spec, names, count):
+    """The GRU state at an episode's first step, zeros [count, H], of each
+    recurrent network in `names` (none without the recurrent torso)."""
+    return {name: jnp.zeros((count, spec.gru_size)) for name in names} if spec.gru_size else {}
+
+
+def rollout_step(spec, params, temperature, one_episode, final_obs, draws, nets, carry, xs):
+    """One step of every env: (carry, the step's record). Each recurrent
+    network of `nets` (the policy's 'policy') steps its GRU on the
+    observation; its state is zeros again after a step that ends the episode."""
+    obs, env_state, episode_return, memory, active = carry
     noise, env_keys = xs
     if draws is not None:  # gSDE: this step's weights, per env
         noise = draws[noise, jnp.arange(episode_return.shape[0])]
-    action, env_action = act(spec, noise, params, obs, temperature)
+    stepped = {name: gru_step(net['gru'], memory[name],
+                              gru_inputs(net, observe(spec, obs), spec.obs_shape))
+               for name, net in nets.items()}
+    action, env_action = act(spec, noise, params, obs, temperature, stepped.get('policy'))
     step = (functools.partial(step_first_episode, spec.env) if one_episode
             else spec.env.step)
     next_obs, env_state, reward, terminated, truncated, info = jax.vmap(
@@ -727,33 +847,41 @@ def rollout_step(spec, params, temperature, one_episode, final_obs, draws, carry
     episode_return = episode_return + jnp.where(active, reward, 0.0)
     finished = done & active
     record = dict(obs=obs, action=action, reward=reward, done=done, valid=active,
-                  finished=finished, finished_return=jnp.where(finished, episode_return, 0.0))
+                  finished=finished, finished_return=jnp.where(finished, episode_return, 0.0),
+                  memory=memory)  # the GRU states the step started from
     if final_obs:  # a value network bootstraps a truncation from V(final obs)
         record.update(terminated=terminated, truncated=truncated,
                       final_obs=info['final_observation'])
     episode_return = jnp.where(done, 0.0, episode_return)
+    memory = {name: jnp.where(done[:, None], 0.0, h) for name, h in stepped.items()}
     if one_episode:
         active = active & ~done
-    return (next_obs, env_state, episode_return, active), record
+    return (next_obs, env_state, episode_return, memory, active), record
 
 
 def rollout(spec, key, params, obs, env_state, episode_return, length, temperature,
-            one_episode, final_obs=False):
+            one_episode, final_obs=False, memory=None, nets=None):
     """`length` steps of `obs.shape[0]` envs -> (carry, time-major records of
     each step). With `one_episode`, each env plays until its first done
     (later steps invalid); `final_obs` also records terminated, truncated and
-    the observation each step led to."""
+    the observation each step led to. With the recurrent torso, `memory`
+    holds each env's GRU state per network of `nets` (default: the policy's,
+    from the first step of an episode)."""
     count = episode_return.shape[0]
+    if nets is None:
+        nets = {'policy': params['net']} if spec.gru_size else {}
+    if memory is None:
+        memory = initial_memory(spec, nets, count)
     # All randomness drawn up front in two calls: each random op compiles
     # into its own code, and on CPU that compile time dominates short runs.
     noise_key, env_key = jax.random.split(key)
-    carry = (obs, env_state, episode_return, jnp.ones(count, bool))
+    carry = (obs, env_state, episode_return, memory, jnp.ones(count, bool))
     chunk = min(length, ROLLOUT_CHUNK)
     n_chunks = -(-length // chunk)
     draws, noise = rollout_noise(
         spec, noise_key, length, (length, count) if not one_episode else (n_chunks, chunk, count))
     step = functools.partial(rollout_step, spec, params, temperature, one_episode, final_obs,
-                             draws)
+                             draws, nets)
     if not one_episode:  # episodes continue: every step is needed
         env_keys = jax.random.split(env_key, length * count).reshape(length, count, -1)
         return jax.lax.scan(step, carry, (noise, env_keys))
@@ -790,7 +918,7 @@ def play_until_done(step, carry, noise, env_keys, length):
         return i + 1, carry, records
 
     def more(loop):
-        i, (_, _, _, active), _ = loop
+        i, (*_, active), _ = loop
         return (i < n_chunks) & jnp.any(active)
 
     _, carry, records = jax.lax.while_loop(more, body, (0, carry, records))
@@ -798,24 +926,27 @@ def play_until_done(step, carry, noise, env_keys, length):
         lambda x: x.reshape((n_chunks * chunk,) + x.shape[2:])[:length], records)
 
 
-def collect_rollout(spec, state, n_envs, steps, fresh_episodes, final_obs=False):
+def collect_rollout(spec, state, n_envs, steps, fresh_episodes, final_obs=False, nets=None):
     """An epoch's temperature-1 rollout of `state.params`: fresh episodes, or
-    the envs' running ones -> (key, carry, records [n_envs, steps, ...])."""
+    the envs' running ones (and their GRU states, `state.memory`, per
+    recurrent network of `nets`) -> (key, carry, records [n_envs, steps, ...])."""
     key, reset_key, rollout_key = jax.random.split(state.key, 3)
     if fresh_episodes:
         obs, env_state = env_reset(spec, reset_key, n_envs)
         episode_return = jnp.zeros(n_envs)
+        memory = jax.tree.map(jnp.zeros_like, state.memory)
     else:
         obs, env_state, episode_return = state.obs, state.env_state, state.episode_return
+        memory = state.memory
     carry, rec = rollout(spec, rollout_key, state.params, obs, env_state, episode_return, steps,
-                         1.0, fresh_episodes, final_obs)
+                         1.0, fresh_episodes, final_obs, memory, nets)
     return key, carry, jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1), rec)
 
 
 def finish_collect(state, key, carry, rec, fresh_episodes):
     """The collect phase's counters, env carry and metrics -> (state, metrics).
     With fresh episodes an episode cut by the cap counts as finished, truncated."""
-    obs, env_state, episode_return, _ = carry
+    obs, env_state, episode_return, memory, _ = carry
     n_finished = rec['finished'].sum()
     new_interactions = rec['valid'].sum()
     if fresh_episodes:
@@ -830,7 +961,7 @@ def finish_collect(state, key, carry, rec, fresh_episodes):
                'rl/n_trajectories': state.n_trajectories + n_finished,
                'rl/new_interactions': new_interactions}
     return state._replace(env_state=env_state, obs=obs, episode_return=episode_return, key=key,
-                          n_interactions=state.n_interactions + new_interactions,
+                          memory=memory, n_interactions=state.n_interactions + new_interactions,
                           n_trajectories=state.n_trajectories + n_finished), metrics
 
 

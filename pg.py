@@ -82,8 +82,11 @@ class Config:
         'reinforce', 'reinforce (Trax PolicyGradient), the only one here: A2C and PPO are '
         'in actor_critic.py', choices=POLICY_LOSSES)
     torso: str = common.option(
-        'auto', 'policy torso: mlp, conv (3x3 convs, ReLU, flatten) or auto (conv for '
-        '[height, width, channels] observations, mlp otherwise)', choices=common.TORSOS)
+        'auto', 'policy torso: mlp, conv (3x3 convs, ReLU, flatten), auto (conv for '
+        '[height, width, channels] observations, mlp otherwise) or gru: auto\'s layers, '
+        'then a GRU whose state carries through each episode, trained by backpropagation '
+        'through whole episodes (needs --batch-size 0)', choices=common.POLICY_TORSOS)
+    gru_size: int = common.option(64, '--torso gru: the GRU\'s state size', bounds='[1, inf)')
     conv_channels: tuple[int, ...] = common.option(
         (16,), 'conv torso: channels of each 3x3 stride-1 conv (MinAtar paper: 16)',
         bounds='[1, inf)')
@@ -124,6 +127,7 @@ class Batch(NamedTuple):
     returns: jax.Array  # Monte-Carlo discounted return from the step to its episode's end
     weight: jax.Array  # 1.0 for a step to train on, else 0.0
     episode_length: jax.Array  # its episode's length in the batch; [0] unless batch_size > 0
+    reset: jax.Array  # --torso gru: the GRU state is zeros after this step; else [0]
 
 
 class Tail(NamedTuple):
@@ -143,6 +147,7 @@ class State(NamedTuple):
     env_state: object
     obs: jax.Array
     episode_return: jax.Array  # running undiscounted return of each env
+    memory: dict  # --torso gru: each env's GRU state {'policy': [n_envs, H]}; else {}
     key: jax.Array  # the training stream: split at each use
     eval_key: jax.Array  # the evaluation stream's root, never advanced (common.evaluation_key)
     epoch: jax.Array  # completed epochs
@@ -277,7 +282,8 @@ def init(spec, key, hp):
     batch = Batch(obs=jnp.zeros((n,) + policy.obs_shape, policy.obs_dtype),
                   action=jnp.zeros((n,) + policy.action_shape, action_dtype),
                   returns=jnp.zeros(n), weight=jnp.zeros(n),
-                  episode_length=jnp.ones(n if spec.config.batch_size else 0))
+                  episode_length=jnp.ones(n if spec.config.batch_size else 0),
+                  reset=jnp.ones(n if policy.gru_size else 0, bool))
     tail = None
     if not spec.fresh_episodes:
         rows = (spec.n_envs, policy.max_steps)
@@ -287,7 +293,7 @@ def init(spec, key, hp):
     zero = jnp.zeros((), jnp.int32)
     return State(params=params, opt_state=optimizer(spec, hp).init(params), batch=batch,
                  tail=tail, env_state=env_state, obs=obs, episode_return=jnp.zeros(spec.n_envs),
-                 key=key, eval_key=eval_key, epoch=zero, train_step=zero, n_interactions=zero,
+                 memory=common.initial_memory(policy, ['policy'], spec.n_envs), key=key, eval_key=eval_key, epoch=zero, train_step=zero, n_interactions=zero,
                  n_trajectories=zero)
 
 
@@ -324,14 +330,29 @@ def collect(spec, hp, state):
                   action=data['action'].reshape((n,) + policy.action_shape),
                   returns=returns.reshape(n), weight=weight.reshape(n),
                   episode_length=segment_lengths(done, weight).reshape(n)
-                  if spec.config.batch_size else state.batch.episode_length)
+                  if spec.config.batch_size else state.batch.episode_length,
+                  # A row's episodes each start from the GRU's zero state: the
+                  # waiting tail's first step too (padding before it resets).
+                  reset=(done | ~data['valid']).reshape(n)
+                  if policy.gru_size else state.batch.reset)
     state, metrics = common.finish_collect(state, key, carry, rec, spec.fresh_episodes)
     return state._replace(batch=batch, tail=tail), metrics
 
 
+def log_probs_of(spec, params, batch):
+    """Each step's (log pi(a|s), entropy), flat [N]; the recurrent torso runs
+    over the batch's rows [n_envs, row length] whole, from its zero state."""
+    policy = spec.policy
+    if not policy.gru_size:
+        return common.log_prob_and_entropy(policy, params, batch.obs, batch.action)
+    rows = lambda x: x.reshape((spec.n_envs, -1) + x.shape[1:])
+    memory = (jnp.zeros((spec.n_envs, policy.gru_size)), rows(batch.reset))
+    return jax.tree.map(lambda x: x.reshape(-1), common.log_prob_and_entropy(
+        policy, params, rows(batch.obs), rows(batch.action), memory))
+
+
 def loss_fn(spec, params, batch, hp):
-    log_probs, entropy = common.log_prob_and_entropy(spec.policy, params, batch.obs,
-                                                     batch.action)
+    log_probs, entropy = log_probs_of(spec, params, batch)
     adv, baseline = advantages(batch.returns, batch.weight, spec.config.normalize_advantages)
     policy_loss = reinforce_loss(log_probs, adv, batch.weight)
     mean_entropy = masked_mean(entropy, batch.weight)
@@ -347,7 +368,7 @@ def train_step(spec, hp, state, key):
     batch = state.batch
     if spec.config.batch_size:
         index = sample_slices(key, batch.weight, batch.episode_length, spec.config.batch_size)
-        batch = jax.tree.map(lambda x: x[index], batch)
+        batch = jax.tree.map(lambda x: x[index] if x.shape[0] else x, batch)  # reset is [0]
         batch = batch._replace(weight=(batch.weight > 0).astype(jnp.float32))
     grads, metrics = jax.grad(functools.partial(loss_fn, spec), has_aux=True)(
         state.params, batch, hp)
@@ -440,6 +461,11 @@ def check_config(config: Config):
         raise error(f'--train-steps-per-epoch ({config.train_steps_per_epoch}) must be '
                     f'divisible by --evals-per-epoch ({config.evals_per_epoch})')
     common.multifactor(config.lr_schedule)  # validates the factor names
+    if config.torso == 'gru' and config.batch_size:
+        raise error(f'--torso gru trains on whole episodes: it needs --batch-size 0, not '
+                    f'{config.batch_size} (Trax\'s length-1 slices have no past to remember)')
+    if config.torso != 'gru' and config.gru_size != Config.gru_size:
+        raise error('--gru-size acts with --torso gru only')
 
 
 def check_hyperparameters(config, runs):

@@ -233,7 +233,7 @@ def test_train_step_follows_the_reinforce_gradient():
     action = jnp.asarray([0, 0, 1, 1])
     returns = jnp.asarray([1.0, 0.0, 1.0, 0.0])
     batch = pg.Batch(obs=obs, action=action, returns=returns, weight=jnp.ones(4),
-                     episode_length=state.batch.episode_length)
+                     episode_length=state.batch.episode_length, reset=state.batch.reset)
     net = [{'w': jnp.asarray([[1.0, -0.5], [0.3, 0.8]]), 'b': jnp.asarray([0.1, -0.2])}]
     state = state._replace(batch=batch, params={'net': net})
     new_state, metrics = agent.train(hp, state)
