@@ -340,7 +340,7 @@ def normalized_advantages(adv, weight, factor, epsilon):
 def a2c_loss(log_probs, adv, weight):
     """Trax A2C: -sum(w log pi(a|s) A) / sum(w); A is a constant (the entropy
     bonus is subtracted by the caller)."""
-    chex.assert_rank(log_probs, 1)
+    chex.assert_rank(log_probs, {1, 2})  # steps [N], or sequences [B, L]
     chex.assert_equal_shape([log_probs, adv, weight])
     return -masked_mean(log_probs * jax.lax.stop_gradient(adv), weight)
 
@@ -349,7 +349,7 @@ def ppo_loss(log_probs, old_log_probs, adv, weight, epsilon):
     """Trax PPO: ratio = pi / pi_old; -mean_w min(ratio A, clip(ratio, 1 - eps,
     1 + eps) A). Where the clipped term is the smaller one its gradient is 0:
     the update stops pushing a ratio already past the clip in A's direction."""
-    chex.assert_rank(log_probs, 1)
+    chex.assert_rank(log_probs, {1, 2})  # steps [N], or sequences [B, L]
     chex.assert_equal_shape([log_probs, old_log_probs, adv, weight])
     adv = jax.lax.stop_gradient(adv)
     ratio = jnp.exp(log_probs - jax.lax.stop_gradient(old_log_probs))
@@ -368,14 +368,14 @@ def awr_loss(log_probs, adv, weight, beta, w_max):
     """Trax's AWRLoss (Peng et al. 2019, advantage-weighted regression):
     -sum(w log pi(a|s) min(exp(A / beta), w_max)) / sum(w). The behaviour
     policy's log-probs play no part, so it trains on replayed epochs."""
-    chex.assert_rank(log_probs, 1)
+    chex.assert_rank(log_probs, {1, 2})  # steps [N], or sequences [B, L]
     chex.assert_equal_shape([log_probs, adv, weight])
     return -masked_mean(log_probs * awr_weights(adv, beta, w_max), weight)
 
 
 def value_loss(predictions, targets, weight):
     """Trax's L2Loss: sum(w (V(s) - target)^2) / sum(w); targets are constants."""
-    chex.assert_rank(predictions, 1)
+    chex.assert_rank(predictions, {1, 2})  # steps [N], or sequences [B, L]
     chex.assert_equal_shape([predictions, targets, weight])
     return masked_mean((predictions - jax.lax.stop_gradient(targets)) ** 2, weight)
 
@@ -632,9 +632,11 @@ def value_step(spec, hp, data, minibatch, carry, i):
     value_params, opt_state, n = carry
     index = minibatch(i)
     batch = data if index is None else jax.tree.map(lambda x: x[index], data)
-    predict = lambda p: value_net(spec, p, batch['obs'], sequence_memory(batch)).reshape(-1)
+    # Sequences stay [B, L]: flattened, the loss's sum rounds differently for
+    # one run than in a vmapped grid on XLA CPU.
     loss, grads = jax.value_and_grad(lambda p: value_loss(
-        predict(p), batch['targets'].reshape(-1), batch['weight'].reshape(-1)))(value_params)
+        value_net(spec, p, batch['obs'], sequence_memory(batch)), batch['targets'],
+        batch['weight']))(value_params)
     grads = clip_by_global_norm(grads, hp['max_grad_norm'])
     updates, opt_state = value_optimizer(spec, hp).update(grads, opt_state, value_params)
     return (optax.apply_updates(value_params, updates), opt_state, n + 1), loss
@@ -675,10 +677,9 @@ def awr_metrics(weights, weight):
 
 def policy_objective(spec, params, batch, hp):
     """(the A2C, PPO or AWR loss minus the entropy bonus, metrics) on a minibatch."""
-    log_probs, entropy = jax.tree.map(lambda x: x.reshape(-1), common.log_prob_and_entropy(
-        spec.policy, params, batch['obs'], batch['action'], sequence_memory(batch)))
-    adv, old_log_probs, weight = (batch[name].reshape(-1)
-                                  for name in ('adv', 'old_log_probs', 'weight'))
+    log_probs, entropy = common.log_prob_and_entropy(
+        spec.policy, params, batch['obs'], batch['action'], sequence_memory(batch))
+    adv, old_log_probs, weight = (batch[name] for name in ('adv', 'old_log_probs', 'weight'))
     if spec.config.normalize_advantages:  # per minibatch, as Trax's policy loss layer
         adv = normalized_advantages(adv, weight, hp['advantage_normalization_factor'],
                                     hp['advantage_normalization_epsilon'])

@@ -493,10 +493,16 @@ def network_head(params, features):
     """init_network's last (linear) layer on network_features' output (a
     recurrent network's: on its GRU state)."""
     if is_recurrent(params):
-        last = params['head'][-1]
-    else:
-        last = (params['mlp'] if isinstance(params, dict) and 'conv' in params else params)[-1]
+        return flat_matmul(features, params['head'][-1]['w']) + params['head'][-1]['b']
+    last = (params['mlp'] if isinstance(params, dict) and 'conv' in params else params)[-1]
     return features @ last['w'] + last['b']
+
+
+def flat_matmul(x, weights):
+    """x [..., n] @ weights [n, m] as one [N, n] matmul: a sequence's [B, L, n]
+    as is rounds its gradient differently for one run than for several in a
+    vmapped grid on XLA CPU; flattened, a run's numbers stay its own."""
+    return (x.reshape(-1, x.shape[-1]) @ weights).reshape(x.shape[:-1] + (-1,))
 
 
 # ---------------------------------------------------------------------------
@@ -524,7 +530,7 @@ def gru_step(gru, hidden, inputs):
     the new state (1 - z) * n + z * h, with r, z = sigmoid(x_r + h_r),
     sigmoid(x_z + h_z), n = tanh(x_n + r * h_n), h_* = h W_h* + b_h*."""
     x_r, x_z, x_n = jnp.split(inputs, 3, axis=-1)
-    h_r, h_z, h_n = jnp.split(hidden @ gru['wh'] + gru['bh'], 3, axis=-1)
+    h_r, h_z, h_n = jnp.split(flat_matmul(hidden, gru['wh']) + gru['bh'], 3, axis=-1)
     reset = jax.nn.sigmoid(x_r + h_r)
     update = jax.nn.sigmoid(x_z + h_z)
     candidate = jnp.tanh(x_n + reset * h_n)

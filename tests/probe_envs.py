@@ -90,8 +90,65 @@ class ImageChannelProbe(ImageSignProbe):
 IMAGE_CHANNEL_PROBE = 'ImageChannelProbe-test'
 
 
+# ---------------------------------------------------------------------------
+# The memory probe: a cue (+1 or -1) shown on the first step only, then
+# CUE_DELAY blank steps, then a query step whose action must name the cue
+# (action 0 for +1, 1 for -1): +1 if it does, -1 if not, and the episode
+# ends. Observations are [cue, query flag]. A memoryless policy sees the
+# same query observation whatever the cue: its expected return is 0; one
+# that remembers the cue gets +1.
+# ---------------------------------------------------------------------------
+
+CUE_PROBE = 'CueProbe-test'
+CUE_DELAY = 3
+
+
+@struct.dataclass
+class CueState(environment.EnvState):
+    time: int
+    cue: float
+
+
+class CueProbe(environment.Environment):
+    @property
+    def default_params(self):
+        return ImageParams()
+
+    def reset_env(self, key, params):
+        state = CueState(time=0, cue=jnp.where(jax.random.bernoulli(key), 1.0, -1.0))
+        return self.get_obs(state), state
+
+    def step_env(self, key, state, action, params):
+        query = state.time == CUE_DELAY + 1
+        named = jnp.where(action == 0, 1.0, -1.0)
+        reward = jnp.where(query, jnp.where(named == state.cue, 1.0, -1.0), 0.0)
+        state = state.replace(time=state.time + 1)
+        return (self.get_obs(state), state, reward.astype(jnp.float32), query, {})
+
+    def get_obs(self, state, params=None, key=None):
+        return jnp.asarray([jnp.where(state.time == 0, state.cue, 0.0),
+                            jnp.where(state.time == CUE_DELAY + 1, 1.0, 0.0)], jnp.float32)
+
+    def is_terminated(self, state, params):
+        return state.time > CUE_DELAY + 1
+
+    @property
+    def name(self):
+        return 'CueProbe'
+
+    @property
+    def num_actions(self):
+        return 2
+
+    def action_space(self, params=None):
+        return spaces.Discrete(2)
+
+    def observation_space(self, params):
+        return spaces.Box(-1.0, 1.0, (2,), jnp.float32)
+
+
 def register():
     for name, factory in ((IMAGE_PROBE, ImageSignProbe),
-                          (IMAGE_CHANNEL_PROBE, ImageChannelProbe)):
+                          (IMAGE_CHANNEL_PROBE, ImageChannelProbe), (CUE_PROBE, CueProbe)):
         if name not in gymnax.registered_envs:
             gymnax.register(name, factory)

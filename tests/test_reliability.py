@@ -45,6 +45,12 @@ SIZES = {**SMALL, 'actor_critic': [
     '--n-interactions-per-epoch', '64', '--train-steps-per-epoch', '256', '--batch-size', '32',
     '--value-train-steps-per-epoch', '256', '--value-batch-size', '32', '--hidden-sizes', '16',
     '--n-eval-episodes', '2', '--eval-steps', '40', '--checkpoint-every', '1']}
+# PPO with the recurrent torso: GRU states carried across epochs and stored.
+SIZES['actor_critic-gru'] = [
+    '--torso', 'gru', '--gru-size', '8', '--max-slice-length', '8', '--n-envs', '4',
+    '--n-interactions-per-epoch', '64', '--train-steps-per-epoch', '256', '--batch-size', '32',
+    '--value-train-steps-per-epoch', '256', '--value-batch-size', '32', '--hidden-sizes', '16',
+    '--n-eval-episodes', '2', '--eval-steps', '40', '--checkpoint-every', '1']
 IGNORED = ('timing/', 'rl/n_interactions_per_second')
 
 
@@ -53,8 +59,12 @@ def cache_dir(tmp_path_factory):
     return str(tmp_path_factory.mktemp('xla_cache'))
 
 
+def script(algo):
+    return algo.split('-')[0]  # 'actor_critic-gru': actor_critic.py with other sizes
+
+
 def run_script(algo, args, cache_dir, extra=(), check=None, **kwargs):
-    command = [sys.executable, os.path.join(ROOT, f'{algo}.py'), '--quiet',
+    command = [sys.executable, os.path.join(ROOT, f'{script(algo)}.py'), '--quiet',
                '--compile-cache', cache_dir, *SIZES[algo], *args, *extra]
     result = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=300,
                             **kwargs)
@@ -107,10 +117,10 @@ def reference_runs(tmp_path_factory, cache_dir):
 # ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize('algo', [*ALGOS, 'actor_critic'])
+@pytest.mark.parametrize('algo', [*ALGOS, 'actor_critic', 'actor_critic-gru'])
 def test_kill_9_then_resume_is_bitwise_identical(algo, reference_runs, cache_dir, tmp_path):
     out = str(tmp_path / 'run')
-    command = [sys.executable, os.path.join(ROOT, f'{algo}.py'), '--quiet', '--compile-cache',
+    command = [sys.executable, os.path.join(ROOT, f'{script(algo)}.py'), '--quiet', '--compile-cache',
                cache_dir, *SIZES[algo], '--epochs', '5', '--output-dir', out, '--seed', '3']
     process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL,
                                stderr=subprocess.DEVNULL)

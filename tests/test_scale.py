@@ -173,6 +173,20 @@ def test_pg_grid_equals_the_separate_runs(cache_dir, tmp_path):
     assert len(records) == 2 * 4
 
 
+def test_pg_gru_grid_equals_the_separate_runs(cache_dir, tmp_path):
+    """REINFORCE with the recurrent torso, episodes carried over epochs (the
+    GRU states in the state, the waiting tail rerun from its first step)."""
+    import pg
+    flags = ['--n-trajectories-per-epoch', 'none', '--n-envs', '4',
+             '--n-interactions-per-epoch', '64', '--max-steps', '40', '--torso', 'gru',
+             '--gru-size', '8', '--hidden-sizes', '16', '--n-eval-episodes', '2', '--epochs', '3',
+             '--quiet', '--compile-cache', cache_dir]
+    grid_out = str(tmp_path / 'grid')
+    pg.main([*flags, '--output-dir', grid_out, '--lr', '1e-2,3e-2', '--num-seeds', '2'])
+    records = assert_grid_equals_separate_runs(pg.main, flags, grid_out, tmp_path)
+    assert len({r['metrics/policy_loss'] for r in records if r['epoch'] == 3}) == 4
+
+
 # PPO (actor_critic.py) in n_interactions mode, tiny: with the conv torso on MinAtar, and with
 # gSDE (observations normalised) on MountainCarContinuous.
 PG_PPO_TINY = ['--policy-loss', 'ppo', '--advantage-estimator', 'gae',
@@ -189,6 +203,8 @@ PG_PPO_TINY = ['--policy-loss', 'ppo', '--advantage-estimator', 'gae',
       '--sde-sample-freq', '8', '--normalize-observations'], "['log_std']"),
     # AWR: 3 epochs into a replay of 2, so the ring wraps.
     (['--policy-loss', 'awr', '--n-replay-epochs', '2', '--epochs', '3'], '.replay.'),
+    # The recurrent torso: sequences of 4 of the rows' 16 steps, states stored.
+    (['--torso', 'gru', '--gru-size', '8', '--max-slice-length', '4'], "['gru']"),
 ])
 def test_pg_ppo_conv_and_gsde_grids_equal_the_separate_runs(flags, leaf, cache_dir, tmp_path):
     """PPO (actor_critic.py) with the conv torso, and with gSDE, and AWR with
