@@ -520,14 +520,16 @@ def recurrent_values(spec, value_params, rows):
     step t (before its reset), V(last_obs) from the row's last state."""
     policy, net = spec.policy, value_params
     sequence = lambda x: common.sequences(x, spec.slice_length)
-    outputs = common.features_of(policy, net, sequence(rows.obs),
-                                 (sequence(rows.memory['value'])[:, 0], sequence(resets(rows))))
-    step = lambda h, obs: common.gru_step(net['gru'], h, common.gru_inputs(
-        net, common.observe(policy, obs), policy.obs_shape))
-    head = lambda h: common.network_head(net, h)[..., 0].reshape(h.shape[0], -1)
-    return (head(outputs.reshape(rows.reward.shape + (-1,))),
-            head(step(outputs, sequence(rows.final_obs)).reshape(rows.reward.shape + (-1,))),
-            common.network_head(net, step(rows.last_memory['value'], rows.last_obs))[..., 0])
+    after = common.features_of(policy, net, sequence(rows.obs),
+                               (sequence(rows.memory['value'])[:, 0], sequence(resets(rows))))
+    after = after.reshape(rows.reward.shape + (-1,))  # [R, T, H]: the state after each step
+
+    def value_from(hidden, obs):  # one more GRU step, then the head
+        inputs = common.gru_inputs(net, common.observe(policy, obs), policy.obs_shape)
+        return common.network_head(net, common.gru_step(net['gru'], hidden, inputs))[..., 0]
+
+    return (common.network_head(net, after)[..., 0], value_from(after, rows.final_obs),
+            value_from(rows.last_memory['value'], rows.last_obs))
 
 
 def init(spec, key, hp):
