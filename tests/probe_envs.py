@@ -109,11 +109,7 @@ class CueState(environment.EnvState):
     cue: float
 
 
-class CueProbe(environment.Environment):
-    @property
-    def default_params(self):
-        return ImageParams()
-
+class CueProbe(ImageSignProbe):  # its two actions and params; all else its own
     def reset_env(self, key, params):
         state = CueState(time=0, cue=jnp.where(jax.random.bernoulli(key), 1.0, -1.0))
         return self.get_obs(state), state
@@ -135,13 +131,6 @@ class CueProbe(environment.Environment):
     @property
     def name(self):
         return 'CueProbe'
-
-    @property
-    def num_actions(self):
-        return 2
-
-    def action_space(self, params=None):
-        return spaces.Discrete(2)
 
     def observation_space(self, params):
         return spaces.Box(-1.0, 1.0, (2,), jnp.float32)
