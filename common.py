@@ -1,7 +1,7 @@
 """What the algorithm files (dqn.py, pg.py, actor_critic.py) share: Trax's
 advantage estimators and its `remaining_evals` helper, gymnax envs by name,
-the MLP, conv and GRU (recurrent) networks, the policies of pg.py and actor_critic.py
-(Categorical, Gaussian, gSDE; their rollouts and evaluation), `multifactor`
+the MLP, conv and GRU (recurrent) networks, the policies of pg.py and
+actor_critic.py (Categorical, Gaussian, gSDE; their rollouts and evaluation), `multifactor`
 schedules, config fields (`option`), the `Agent` record and `run_sweep`, which
 runs seeds x a grid of hyperparameters for some epochs in one compiled program.
 
