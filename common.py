@@ -1186,6 +1186,15 @@ class Agent:
     memory_flags: str = '--num-seeds'  # what to lower when the runs do not fit
     spec: typing.Any = None
 
+    def batched(self, name):
+        """jit(vmap(phase `name`)) over a leading runs axis, made once per
+        agent: jit caches its trace, so the memory estimate, the chunk's
+        metric shapes and the chunk itself trace each phase once."""
+        cache = self.__dict__.setdefault('_batched', {})
+        if name not in cache:
+            cache[name] = jax.jit(jax.vmap(getattr(self, name)))
+        return cache[name]
+
     def learn(self, hp, state):
         """One epoch's learning, collect -> train, as one pure function."""
         state, collect_metrics = self.collect(hp, state)
@@ -1301,7 +1310,7 @@ def run_epochs(agent, length, hp, state, start, n, epochs, eval_every):
     NaN in epochs not evaluated; finite says the parameters were finite
     after each epoch (the NaN guard).
     """
-    learn, evaluate = jax.vmap(agent.learn), jax.vmap(agent.evaluate)
+    learn, evaluate = agent.batched('learn'), agent.batched('evaluate')
     learnt_shapes = jax.eval_shape(learn, hp, state)[1]
     eval_shapes = jax.eval_shape(evaluate, hp, state)[1]
     not_evaluated = {name: jnp.full(shape.shape, jnp.nan, shape.dtype)
@@ -1348,8 +1357,7 @@ def run_sweep(agent, config, seed=0, num_seeds=1, grid=None, epochs=None,
     runs = expand_runs(config, grid, seed, num_seeds)
     hp, keys = hyperparameters(config, runs), run_keys(runs)
     options = compiler_options(batch_invariant)
-    state = jax.jit(jax.vmap(agent.init)).lower(keys, hp).compile(
-        compiler_options=options)(keys, hp)
+    state = agent.batched('init').lower(keys, hp).compile(compiler_options=options)(keys, hp)
 
     epochs = config.epochs if epochs is None else epochs
     plan = [jnp.int32(value) for value in (0, epochs, epochs, evaluation_period(config))]

@@ -560,9 +560,9 @@ def _compile_phases(run, args):
     """Compile init and the chunk of epochs (or, for --only-eval, evaluate);
     run init. Returns (initial state, {name: compiled})."""
     compile_start = time.time()
-    state = _compiled(run, jax.vmap(run.agent.init), run.keys, run.hp)(run.keys, run.hp)
+    state = _compiled(run, run.agent.batched('init'), run.keys, run.hp)(run.keys, run.hp)
     if args.only_eval:
-        phases = {'evaluate': _compiled(run, jax.vmap(run.agent.evaluate), run.hp, state)}
+        phases = {'evaluate': _compiled(run, run.agent.batched('evaluate'), run.hp, state)}
     else:
         length = min(CHUNK_EPOCHS, run.config.epochs)
         def chunk(hp, state, plan):  # plan: [n_runs, 4], every row start, n, epochs, eval_every

@@ -44,10 +44,10 @@ def _largest_array(jaxpr):
 def memory_needed(agent, hp, keys):
     """(bytes, what) of the floor estimate for all runs: `hp` and `keys` carry
     the runs axis; nothing is compiled or run, only traced."""
-    state = jax.eval_shape(jax.vmap(agent.init), keys, hp)
+    state = jax.eval_shape(agent.batched('init'), keys, hp)
     state_bytes = sum(_nbytes(leaf) for leaf in jax.tree.leaves(state))
-    phase_bytes = {name: _largest_array(jax.make_jaxpr(jax.vmap(getattr(agent, name)))(
-        hp, state).jaxpr) for name in ('collect', 'train', 'evaluate')}
+    phase_bytes = {name: _largest_array(jax.make_jaxpr(agent.batched(name))(hp, state).jaxpr)
+                   for name in ('learn', 'evaluate')}  # traces the chunk reuses
     phase, largest = max(phase_bytes.items(), key=lambda item: item[1])
     return 2 * state_bytes + largest, f'state {state_bytes / 2**30:.2f} GiB x 2 + {phase} ' \
         f'{largest / 2**30:.2f} GiB'
