@@ -221,6 +221,36 @@ def test_pg_ppo_conv_and_gsde_grids_equal_the_separate_runs(flags, leaf, cache_d
     assert len({r['metrics/policy_loss'] for r in records if r['epoch'] == 2}) == 4
 
 
+def test_each_phase_is_traced_once_for_the_memory_estimate_and_the_chunk():
+    """The driver's memory estimate, the chunk's metric shapes and the chunk
+    share Agent.batched's jit, so each phase's Python runs once (a trace)."""
+    import dataclasses
+    import jax
+    import jax.numpy as jnp
+    from harness import devices
+    config, grid = flags.config_and_grid(
+        dqn.Config, flags.build_parser(dqn.Config, 'dqn', '').parse_args(TINY))
+    agent = dqn.make_agent(config)
+    calls = {'collect': 0, 'train': 0, 'evaluate': 0}
+
+    def counted(name):
+        def phase(hp, state):
+            calls[name] += 1
+            return getattr(agent, name)(hp, state)
+        return phase
+    counting = dataclasses.replace(agent, **{name: counted(name) for name in calls})
+    assert counting.batched('learn') is counting.batched('learn')
+    runs = common.expand_runs(config, grid, 0, 2)
+    hp, keys = common.hyperparameters(config, runs), common.run_keys(runs)
+    devices.memory_needed(counting, hp, keys)
+    assert calls == {'collect': 1, 'train': 1, 'evaluate': 1}
+    state = jax.eval_shape(counting.batched('init'), keys, hp)
+    plan = [jnp.int32(value) for value in (0, 1, 2, 1)]
+    jax.jit(lambda hp, state, *plan: common.run_epochs(counting, 2, hp, state, *plan)).lower(
+        hp, state, *plan)
+    assert calls == {'collect': 1, 'train': 1, 'evaluate': 1}
+
+
 @pytest.mark.parametrize('algo', ['dqn', 'pg', 'actor_critic'])
 def test_fused_epoch_equals_the_phases(algo):
     """Agent.epoch (collect -> train -> evaluate as one pure function), scanned
