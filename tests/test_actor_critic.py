@@ -8,6 +8,7 @@ import dataclasses
 import functools
 import json
 import os
+import subprocess
 import sys
 
 import jax
@@ -731,44 +732,71 @@ def test_awr_brings_its_own_settings_never_ppos(env, tmp_path, capsys):
         assert config[field] == getattr(ac.Config, field), field  # PPO's entry: not applied
 
 
-# Tiny A2C and PPO runs through common.run_sweep (the command line's compiler
-# options, at conftest's XLA optimisation level 0), recorded before AWR and its
-# replay came in: the sums of every parameter leaf (policy, then value
-# network) after 3 epochs, the last epoch's policy and value losses summed over
-# 2 seeds. Bitwise equal on the machine they were recorded on (as were whole
-# checkpoints and metrics.jsonl of the command line, at the default level); the
-# tolerance leaves room for another CPU's rounding (level 3's is within it),
-# far below what a change of data, minibatch order or keys makes.
+# Tiny A2C and PPO runs through common.run_sweep (3 epochs, 2 seeds) by today's
+# code and by the commit before AWR and its replay came in (its actor_critic.py
+# and common.py, from the git history), both on this machine with this
+# session's XLA options. Bitwise equal (checked on an Intel Xeon; the numbers
+# this test once held, recorded on an AMD EPYC, were too): a replay of one
+# epoch adds a size-1 axis and a slot write, no arithmetic. Both are computed
+# here because another CPU's float32 rounding differs from a recorded run's.
+PRE_REPLAY_COMMIT = '7182748'  # b1a555a^, the parent of the replay's commit
 TINY = dict(n_envs=4, n_interactions_per_epoch=64, train_steps_per_epoch=8, batch_size=16,
             value_batch_size=16, value_train_steps_per_epoch=6, value_evals_per_epoch=2,
             hidden_sizes=(8,), n_eval_episodes=2, epochs=3)
-BEFORE_REPLAY = {
-    'ppo': (dict(TINY, policy_loss='ppo'),
-            [-0.026414698018925264, 0.8920557927340269, 9.313225746154785e-10,
-             0.005835816358739976, 0.1408731191768311, -2.9792503680218942,
-             0.03783157281577587, 0.2759497156366706], -0.00015379107207991183,
-            70.06222534179688),
-    'a2c': (dict(TINY, policy_loss='a2c', n_interactions_per_epoch=None,
-                 n_trajectories_per_epoch=3, max_steps=40, batch_size=0,
-                 advantage_estimator='td_lambda'),
-            [-0.1233140017138794, 0.9602079577744007, 3.725290298461914e-09,
-             0.0058358494425192475, 0.13987017259933054, -2.994186450727284,
-             0.038007136434316635, 0.27433441020548344], 0.008082166314125061,
-            127.29693603515625),
+UNCHANGED_BY_THE_REPLAY = {
+    'ppo': dict(TINY, policy_loss='ppo'),
+    'a2c': dict(TINY, policy_loss='a2c', n_interactions_per_epoch=None,
+                n_trajectories_per_epoch=3, max_steps=40, batch_size=0,
+                advantage_estimator='td_lambda'),
 }
+# Run in a fresh interpreter in a folder holding the two old files: every
+# parameter leaf (policy, then value network), then each metric, sorted by name.
+SWEEP_TO_NPZ = """
+import sys, jax, numpy as np, actor_critic as ac, common
+config = ac.Config(**{kwargs!r})
+_, state, metrics = common.run_sweep(ac.make_agent(config), config, num_seeds=2)
+leaves = jax.tree.leaves(state.params) + jax.tree.leaves(state.value_params)
+names = sorted(metrics)
+np.savez(sys.argv[1], *leaves, *[metrics[name] for name in names], names=np.array(names))
+"""
 
 
-@pytest.mark.parametrize('loss', sorted(BEFORE_REPLAY))
-def test_ppo_and_a2c_are_unchanged_by_the_replay(loss):
-    """n_replay_epochs 1 (the default) is A2C and PPO as they were before AWR."""
-    kwargs, sums, policy_loss, value_loss = BEFORE_REPLAY[loss]
+def pre_replay_sweep(kwargs, folder):
+    """The pre-replay code's run of `kwargs` -> (leaves, {metric: array})."""
+    for name in ('actor_critic.py', 'common.py'):
+        shown = subprocess.run(['git', '-C', ROOT, 'show', f'{PRE_REPLAY_COMMIT}:{name}'],
+                               capture_output=True)
+        if shown.returncode:  # e.g. a shallow clone or an exported tree
+            pytest.skip(f'needs the git history (commit {PRE_REPLAY_COMMIT}): '
+                        f'{shown.stderr.decode().strip()}')
+        (folder / name).write_bytes(shown.stdout)
+    env = {name: value for name, value in os.environ.items() if name != 'PYTHONPATH'}
+    result = subprocess.run([sys.executable, '-c', SWEEP_TO_NPZ.format(kwargs=kwargs),
+                             str(folder / 'old.npz')], cwd=folder, env=env,
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    with np.load(folder / 'old.npz') as saved:
+        names = list(saved['names'])
+        arrays = [saved[f'arr_{i}'] for i in range(len(saved.files) - 1)]
+    n_leaves = len(arrays) - len(names)
+    return arrays[:n_leaves], dict(zip(names, arrays[n_leaves:]))
+
+
+@pytest.mark.parametrize('loss', sorted(UNCHANGED_BY_THE_REPLAY))
+def test_ppo_and_a2c_are_unchanged_by_the_replay(loss, tmp_path):
+    """n_replay_epochs 1 (the default) is A2C and PPO as they were before AWR:
+    every parameter and metric bitwise the pre-replay code's on this machine."""
+    kwargs = UNCHANGED_BY_THE_REPLAY[loss]
+    old_leaves, old_metrics = pre_replay_sweep(kwargs, tmp_path)
     config = ac.Config(**kwargs)
     _, state, metrics = common.run_sweep(ac.make_agent(config), config, num_seeds=2)
-    got = [float(np.sum(np.asarray(leaf, np.float64))) for leaf in
-           jax.tree.leaves(state.params) + jax.tree.leaves(state.value_params)]
-    np.testing.assert_allclose(got, sums, rtol=1e-6, atol=1e-8)
-    assert float(metrics['metrics/policy_loss'][-1].sum()) == pytest.approx(policy_loss, abs=1e-6)
-    assert float(metrics['metrics/value_loss'][-1].sum()) == pytest.approx(value_loss, rel=1e-6)
+    leaves = jax.tree.leaves(state.params) + jax.tree.leaves(state.value_params)
+    assert len(leaves) == len(old_leaves) == 8
+    for i, (got, want) in enumerate(zip(leaves, old_leaves)):
+        np.testing.assert_array_equal(np.asarray(got), want, err_msg=f'parameter leaf {i}')
+    assert 'metrics/policy_loss' in old_metrics and 'metrics/value_loss' in old_metrics
+    for name, want in old_metrics.items():  # NaN (epochs not evaluated) equals NaN
+        np.testing.assert_array_equal(np.asarray(metrics[name]), want, err_msg=name)
     assert state.replay.valid.shape[1] == 1  # [runs, n_replay_epochs, ...]
 
 
