@@ -313,3 +313,27 @@ def test_report_adds_an_incomplete_dir_without_row_json(paths, tmp_path):
     md = open(paths['results.md']).read()
     assert '(run incomplete) |' in md
     assert f'`cartpole-ppo`: incomplete: 3 of {asked} epochs, 300' in md
+
+
+# --- the committed documents are what docs/results.json gives --------------
+
+def test_readme_results_block_is_what_results_json_gives():
+    data = results.load_results(os.path.join(ROOT, 'docs', 'results.json'))
+    with open(os.path.join(ROOT, 'README.md')) as f:
+        readme = f.read()
+    assert results.readme_block(data) in readme, (
+        'README.md\'s results block differs from docs/results.json: run '
+        '`python tests/results.py report`')
+
+
+def test_results_md_is_what_results_json_gives():
+    path = os.path.join(ROOT, 'docs', 'results.json')
+    with open(path) as f:
+        if not isinstance(json.load(f), dict):
+            pytest.skip('docs/results.json predates the row format (seeds 0-7): '
+                        '`python tests/results.py report` rewrites it')
+    data = results.load_results(path)
+    with open(os.path.join(ROOT, 'docs', 'results.md')) as f:
+        assert f.read() == results.markdown(data, 'results.png'), (
+            'docs/results.md differs from docs/results.json: run '
+            '`python tests/results.py report`')
