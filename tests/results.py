@@ -1,57 +1,140 @@
-"""The results table: each algorithm on gymnax envs with the env's settings,
-against gymnax's published baselines (its README: gymnax-blines, PPO or ES).
+"""The results table (issue 39): each row is one command, run on evaluation
+seeds >= 1000 and reported as the IQM over seeds with its 95% bootstrap interval.
 
-    python tests/results.py                      # every row, seeds 0-7
-    python tests/results.py --envs Catch-bsuite,Acrobot-v1 --algos dqn
-    python tests/results.py --envs Breakout-MinAtar --seeds 4
-    python tests/results.py --envs Asterix-MinAtar,Breakout-MinAtar --jobs 4
+    python tests/results.py rows                                    # the row table
+    python tests/results.py run --row dqn-Acrobot-v1 --seeds 1000:1032
+    python tests/results.py run --row cartpole-dqn --seeds 1000:1032 --plain
+    python tests/results.py report                                  # runs/results -> docs, README
+    python tests/results.py report --add pqn-Breakout-MinAtar=/work/runs/minatar/pqn-Breakout
 
-Each row is one process, `python ALGO.py --env ENV --num-seeds N` with no
-other flag, so the table measures what a user gets from the env's settings
-(ENV_SETTINGS in dqn.py / actor_critic.py; a pg row runs actor_critic.py's PPO
-where that file has the env's settings, else pg.py; an awr row runs
-`python actor_critic.py --policy-loss awr --env ENV`, AWR's settings with the
-env's AWR entry, e.g. `--envs Pendulum-v1,Catch-bsuite --algos awr`); a MinAtar row instead runs for a wall-time
-budget (--minatar-minutes, 30: `--epochs` past it and `--time-limit`). It writes --out (docs/results.md), its
-rows as JSON beside it (a rerun of some rows keeps the others), and one PNG
-of learning curves, one panel per env (greedy return: mean line, min-max
-band over seeds). Not a test module: pytest does not collect it.
+`run` runs the row's command in this process exactly as the command line does
+(sys.argv and runpy of the script), plus `--seed --num-seeds --output-dir
+runs/results/ROW[--plain]`, and writes row.json beside the CLI's files: the
+command, the machine, the commit, the times and the load. `--plain` first
+replaces common.compiler_options with one that gives none (XLA's defaults),
+standing in for another machine's code generation.
+
+`report` reads every run dir under runs/results (and each --add ROW=DIR),
+refuses any run with a seed below 1000, merges the rows into
+docs/results.json (rows not read again are kept), then writes
+docs/results.md, docs/results.png and README.md's block between its results
+markers from docs/results.json alone. Not a test module: pytest does not
+collect it.
 """
 
 import argparse
-import concurrent.futures
+import collections
+import dataclasses
+import datetime
 import importlib
 import json
 import os
 import platform
+import runpy
+import shlex
 import subprocess
 import sys
-import tempfile
-import time
+import zlib
 
 import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import common  # noqa: E402
+import stats  # noqa: E402
 from harness import flags  # noqa: E402
 
-# gymnax README's returns of its trained baselines (gymnax-blines, PPO or ES).
+PROG = 'results.py'
+FIRST_EVALUATION_SEED = 1000  # seeds below are for tuning: never reported
+FORMAT = 2  # results.json's layout; the old one (a list of rows, seeds 0-7) is dropped
+BEGIN, END = '<!-- results:begin -->', '<!-- results:end -->'
+DEFAULT = {name: os.path.join(ROOT, path) for name, path in (
+    ('json', 'docs/results.json'), ('md', 'docs/results.md'), ('png', 'docs/results.png'),
+    ('readme', 'README.md'), ('runs', 'runs/results'))}
+
+# gymnax README's returns of its trained baselines (gymnax-blines, PPO or ES),
+# except MemoryChain: 1, the return of remembering the context (gymnax: 0.1).
 BASELINES = {
     'CartPole-v1': 500, 'Acrobot-v1': -80, 'MountainCar-v0': -118, 'Pendulum-v1': -130,
     'MountainCarContinuous-v0': 92, 'Catch-bsuite': 1, 'DeepSea-bsuite': 0,
-    'MemoryChain-bsuite': 0.1, 'UmbrellaChain-bsuite': 1, 'DiscountingChain-bsuite': 1.1,
+    'MemoryChain-bsuite': 1, 'UmbrellaChain-bsuite': 1, 'DiscountingChain-bsuite': 1.1,
     'FourRooms-misc': 1, 'MetaMaze-misc': 32, 'PointRobot-misc': 10,
     'BernoulliBandit-misc': 90, 'GaussianBandit-misc': 0, 'Asterix-MinAtar': 15,
     'Breakout-MinAtar': 28, 'Freeway-MinAtar': 58, 'SpaceInvaders-MinAtar': 131,
 }
+CARTPOLE_TARGET = (490, 400)  # IQM, worst seed
+CONTINUOUS = ('Pendulum-v1', 'MountainCarContinuous-v0', 'PointRobot-misc')  # no dqn row
+MEMORY = ('MemoryChain-bsuite', 'MetaMaze-misc', 'BernoulliBandit-misc', 'PointRobot-misc')
 MINATAR = ('Asterix-MinAtar', 'Breakout-MinAtar', 'Freeway-MinAtar', 'SpaceInvaders-MinAtar')
-# Why a row cannot meet its baseline by design (printed under the table).
+CLASSIC = tuple(env for env in BASELINES
+                if env not in ('CartPole-v1', *MEMORY, *MINATAR))
+
+Group = collections.namedtuple('Group', 'name seeds legend')
+Row = collections.namedtuple('Row', 'id group env algo command plain aggregate')
+
+
+def pqn_flags():
+    import dqn  # its PQN_MINATAR, as docs/dqn.md's "PQN as settings" gives it
+    return flags.settings_flags(dqn.PQN_MINATAR)
+
+
+# gymnax-blines' MinAtar PPO config, in actor_critic.py's flags.
+PPO_BLINES = ('--policy-loss ppo --torso mlp --hidden-sizes 256,256 --n-envs 64 '
+              '--n-interactions-per-epoch 8192 --batch-size 1024 --value-batch-size 1024 '
+              '--train-steps-per-epoch 32 --value-train-steps-per-epoch 32 --lr 5e-4 '
+              '--value-lr 5e-4 --gamma 0.999 --entropy-coeff 0.01 --epochs 1221 '
+              '--n-eval-episodes 128')
+GROUPS = [  # in table order; `seeds`: what `run` is told for the group's rows
+    Group('CartPole commands', '1000:1032', {}),
+    Group('classic/bsuite/misc', '1000:1032', {}),
+    Group('memory', '1000:1032', {}),
+    Group('MinAtar 10M', '1000:1002', {'$PQN': pqn_flags(), '$PPO_BLINES': PPO_BLINES}),
+]
+
+
+def row_table():
+    """Every row: (id, group, env, algo label, command, runs plain too, the
+    algorithm it counts for in the aggregate or None)."""
+    cartpole, classic, memory, minatar = (group.name for group in GROUPS)
+    rows = [Row('cartpole-dqn', cartpole, 'CartPole-v1', 'DQN', 'python dqn.py', True, 'DQN'),
+            Row('cartpole-pg', cartpole, 'CartPole-v1', 'REINFORCE', 'python pg.py', True, None),
+            Row('cartpole-pg-gru', cartpole, 'CartPole-v1', 'REINFORCE (GRU)',
+                'python pg.py --torso gru', True, None),
+            Row('cartpole-ppo', cartpole, 'CartPole-v1', 'PPO', 'python actor_critic.py', True,
+                'PPO')]
+    rows += [Row(f'cartpole-{loss}', cartpole, 'CartPole-v1', loss.upper(),
+                 f'python actor_critic.py --policy-loss {loss}', True, None)
+             for loss in ('a2c', 'awr')]
+    for env in CLASSIC:
+        if env not in CONTINUOUS:
+            rows.append(Row(f'dqn-{env}', classic, env, 'DQN', f'python dqn.py --env {env}',
+                            False, 'DQN'))
+        rows.append(Row(f'ppo-{env}', classic, env, 'PPO',
+                        f'python actor_critic.py --env {env}', False, 'PPO'))
+    for env in MEMORY:  # PPO with the GRU torso (its settings); DQN: memoryless, for contrast
+        rows.append(Row(f'ppo-{env}', memory, env, 'PPO (GRU)',
+                        f'python actor_critic.py --env {env}', False, None))
+        if env not in CONTINUOUS:
+            rows.append(Row(f'dqn-{env}', memory, env, 'DQN (MLP)',
+                            f'python dqn.py --env {env}', False, None))
+    for env in MINATAR:
+        rows.append(Row(f'pqn-{env}', minatar, env, 'PQN',
+                        f'python dqn.py --env {env} {pqn_flags()}', False, None))
+        rows.append(Row(f'ppo-{env}', minatar, env, 'PPO (gymnax-blines)',
+                        f'python actor_critic.py --env {env} {PPO_BLINES}', False, None))
+    return rows
+
+
+ROWS = {row.id: row for row in row_table()}
+
+# Why a row cannot meet its baseline by design: printed under its group's
+# table when a row of the env misses.
 NOTES = {
     'MemoryChain-bsuite': 'the context is shown on the first step only; dqn\'s memoryless '
                           '(MLP) agent can only guess at the end: expected return 0; PPO '
-                          'remembers it with the GRU torso (--torso gru)',
+                          'remembers it with the GRU torso (its settings: --torso gru)',
     'BernoulliBandit-misc': 'a meta-bandit (arms 0.1/0.9, which is which per episode): '
                             'a memoryless policy (dqn) sees only the last pull, so at best it '
                             'plays win-stay lose-shift, about 82 of the 90; an oracle that '
@@ -60,80 +143,322 @@ NOTES = {
                             'met only by the luck of the evaluation episodes',
     'MetaMaze-misc': 'the goal is found again each episode from a local view: needs memory; '
                      'dqn\'s memoryless greedy policy loops and scores below uniformly random '
-                     'moves, which wander into the goal; PPO with the GRU torso returns to it '
-                     'on 7 of 8 seeds (its settings chose 120 epochs on seeds 8-15, worst seed '
-                     '38.4 there; 80 epochs gave a worst seed of 20.0 on 8-15 and 23.4 on 0-7)',
+                     'moves, which wander into the goal; PPO\'s settings (GRU torso) chose 120 '
+                     'epochs on tuning seeds 8-15',
     'PointRobot-misc': 'a meta-RL task (Dorfman et al. 2021): the goal on the semicircle is '
                        'hidden and the same for the episode\'s 100 steps, and each arrival '
                        'moves the robot to a random place; returning to it needs memory of '
-                       'where it was: PPO with the GRU torso, whose return still climbs at '
-                       'the 150th epoch, about what 10 minutes for 8 seeds on 2 cores allow',
-    'Pendulum-v1': 'PPO levels off at -141 to -148 on every seed set tried (0-7, 8-11), with '
-                   '150 or 300 epochs, gamma 0.9, 0.95 or 0.99, lr 1e-3 or 2e-3, and with '
+                       'where it was: PPO with the GRU torso, whose return still climbed at '
+                       'the 150th epoch on the tuning seeds',
+    'Pendulum-v1': 'PPO levelled off at -141 to -148 on every tuning seed set tried, with 150 '
+                   'or 300 epochs, gamma 0.9, 0.95 or 0.99, lr 1e-3 or 2e-3, and with '
                    'observations on [-1, 1] and scaled value targets. The baseline -130 is '
                    'one noisy figure: it is the last of gymnax-blines\' ES agent\'s 164-episode '
                    'evaluations (the four before it: -144 to -153; one episode\'s return has '
                    'std 86); that agent\'s saved parameters, run here on 4096 episodes, score '
-                   '-147.5 (standard error 1.3), and its saved PPO agent -247; ours, -141.5 '
-                   'over 8 x 32 episodes, is above both',
+                   '-147.5 (standard error 1.3), and its saved PPO agent -247',
     'Acrobot-v1': 'the baseline is a real figure: gymnax-blines\' saved PPO agent scores '
-                  '-78.3 (argmax) on 4096 episodes here; DQN with the 64x64 net levels off '
-                  'at -82 (seeds 0-7 and 8-11), the 128x128 net over 110 epochs (tuned on '
-                  'seeds 8-23) meets it',
-    'DiscountingChain-bsuite': 'every chain pays at least 1 (random: 1.02); the 1.1 chain '
-                               'pays at once, so only gamma near 1 makes it hard to rank',
+                  '-78.3 (argmax) on 4096 episodes here; DQN with the 64x64 net levelled off '
+                  'at -82 on tuning seeds, and its settings (128x128 net, 110 epochs) were '
+                  'tuned on seeds 8-23 to reach it',
     'DeepSea-bsuite': 'the baseline 0 is what always going left gets; the treasure (0.99) '
                       'needs deep exploration, which epsilon-greedy lacks: at gymnax\'s '
                       'size 8 uniform moves still find it once in 256 episodes, so some '
                       'seeds learn it, at bsuite\'s larger sizes (2^-N) none would',
     'UmbrellaChain-bsuite': 'every step but the last adds a +-1 distractor reward, so one '
-                            'episode\'s return has std 3: evaluated on 8192 episodes (std '
-                            '0.033 per seed, 0.012 for the mean of 8), so even a perfect '
-                            'policy (expected return exactly 1) has its mean below 1 about '
-                            'half the time',
-}
-# MinAtar rows run for a wall-time budget (--minatar-minutes) rather than their
-# settings' 60 epochs: --epochs is set past what the budget allows, and
-# --time-limit stops each run after its last epoch that fits. These epochs are
-# about what 30 minutes allow one row alone on 2 CPU cores (dqn 3 s an epoch,
-# pg's PPO 5 s), so the learning rate's linear decay ends near the budget.
-MINATAR_EPOCHS = {'dqn': 600, 'pg': 350}
-
-
-MINATAR_NOTES = {
-    'Asterix-MinAtar': 'dqn\'s row ran alone, beside short niced tuning runs for '
-                       'its first 15 minutes, with Asterix\'s own settings (unscaled '
-                       'targets, lr 3e-4, gamma 0.95): with the other MinAtar envs\' '
-                       'settings its Q-values climbed to 2-17 against true values near '
-                       '0.4, and after 250k steps it played like the random policy; pg\'s '
-                       'PPO scored like random until about 130k steps, then learnt',
-    'Freeway-MinAtar': 'dqn\'s row ran alone (four at a time it got 43k steps and 10.7); '
-                       'its worst seed, 0.75 at the last evaluation, had averaged about 9 '
-                       'over ten evaluations at minutes 8 and 18',
+                            'episode\'s return has std 3: evaluated on 8192 episodes, each '
+                            'seed\'s figure still has std 0.033, so even a perfect policy '
+                            '(expected return exactly 1) has about half its seeds below 1',
 }
 
 
-AWR_NOTE = ('actor_critic.py --policy-loss awr, beside the PPO rows (pg (ppo)); they ran with '
-            'the 2 cores shared by other jobs (Pendulum at load 7-10, Catch at 2-4), so their '
-            'wall seconds are up to several times what an idle machine takes and not comparable '
-            'with the other rows\'; an AWR epoch also costs more than a PPO one, as it '
-            'recomputes the advantages of its 10 replayed epochs')
+def fail(message):
+    """Bad input: one line on stderr, exit status 2."""
+    print(f'{PROG}: {message}', file=sys.stderr, flush=True)
+    sys.exit(2)
 
 
-def minatar_note(rows, env):
-    """What each algorithm reached within its time limit, and on what share of the machine."""
-    parts = []
-    for row in (r for r in rows if r['env'] == env and r.get('time_limit_s')):
-        beside = (f', run at the same time as {row["jobs"] - 1} other rows on the same cores'
-                  if row.get('jobs', 1) > 1 else '')
-        parts.append(f'{row["algo"]}: a {row["time_limit_s"] / 60:g}-minute limit, '
-                     f'{row["epochs"]} epochs in {row["wall_s"] / 60:.0f} minutes, '
-                     f'{row["env_steps_per_seed"]:,} steps per seed{beside}')
-    if env in MINATAR_NOTES:
-        parts.append(MINATAR_NOTES[env])
-    return ('; '.join(parts) + '; the baselines train for millions of steps (MinAtar paper: '
-            '5M frames): the CPU target is to beat the random policy clearly, and README '
-            'gives the GPU command for the full budget')
+def atomic_write(path, data):
+    """Write `data` (str or bytes) to a temp file beside `path`, then rename it."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f'{path}.tmp-{os.getpid()}'
+    with open(tmp, 'wb') as f:
+        f.write(data.encode() if isinstance(data, str) else data)
+    os.replace(tmp, path)
+
+
+def dump_json(value):
+    return json.dumps(value, indent=1, sort_keys=True) + '\n'
+
+
+# --- run: one row's command, in process, with row.json beside its files ----
+
+def parse_seeds(text):
+    """'1000:1032' -> seeds 1000..1031 (Python's half-open range)."""
+    try:
+        first, stop = (int(part) for part in text.split(':'))
+    except ValueError:
+        fail(f'--seeds {text}: expected FIRST:STOP, e.g. 1000:1032')
+    if stop <= first:
+        fail(f'--seeds {text}: STOP must be above FIRST')
+    if first < FIRST_EVALUATION_SEED:
+        fail(f'--seeds {text}: reported rows use evaluation seeds >= {FIRST_EVALUATION_SEED} '
+             '(seeds below are for tuning)')
+    return list(range(first, stop))
+
+
+def now():
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')
+
+
+def cpu_model():
+    try:
+        with open('/proc/cpuinfo') as f:
+            for line in f:
+                if line.startswith('model name'):
+                    return line.split(':', 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def git(*args):
+    try:
+        return subprocess.run(['git', *args], cwd=ROOT, capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def machine(devices=True):
+    """This machine and checkout; `devices` initialises JAX's backend to name them."""
+    import jax
+    status = git('status', '--porcelain', '--untracked-files=no')
+    info = {'cpu': cpu_model(), 'cores': os.cpu_count(), 'jax': jax.__version__,
+            'commit': git('rev-parse', 'HEAD'), 'dirty': None if status is None else bool(status)}
+    if devices:
+        found = jax.devices()
+        info['devices'] = f'{len(found)} x {found[0].device_kind} ({jax.default_backend()})'
+    return info
+
+
+def run_script(argv, plain):
+    """`python argv...` in this process (runpy, as the command line runs it);
+    -> its exit status. `plain`: common.compiler_options gives no options."""
+    saved_argv, saved_options = sys.argv, common.compiler_options
+    sys.argv = [os.path.join(ROOT, argv[0]), *argv[1:]]
+    if plain:
+        common.compiler_options = lambda *args, **kwargs: None
+    try:
+        runpy.run_path(sys.argv[0], run_name='__main__')
+        return 0
+    except SystemExit as exit:
+        code = exit.code
+        return 0 if code is None else code if isinstance(code, int) else 1
+    finally:
+        sys.argv, common.compiler_options = saved_argv, saved_options
+
+
+def run_dir_name(row_id, plain):
+    return row_id + ('--plain' if plain else '')
+
+
+def run_row(row, seeds, plain, out):
+    """Run `row` on `seeds` into out/ROW[--plain]/; row.json records it (at
+    the start, so a killed run keeps its record, and again at the end)."""
+    directory = os.path.join(out, run_dir_name(row.id, plain))
+    argv = [*shlex.split(row.command)[1:], '--seed', str(seeds[0]),
+            '--num-seeds', str(len(seeds)), '--output-dir', directory]
+    record = {'id': row.id, 'plain': plain, 'command': shlex.join(['python', *argv]),
+              'seeds': seeds, 'machine': machine(devices=False), 'start': now(),
+              'load_start': os.getloadavg()[0], 'end': None, 'load_end': None,
+              'exit_status': None}
+    path = os.path.join(directory, 'row.json')
+    previous = read_json(path) if os.path.exists(path) else None
+    if previous:  # a resumed row: keep what each earlier session recorded
+        record['previous'] = previous.pop('previous', []) + [previous]
+    os.makedirs(directory, exist_ok=True)
+    atomic_write(path, dump_json(record))
+    status = run_script(argv, plain)
+    record.update(machine=machine(), end=now(), load_end=os.getloadavg()[0],
+                  exit_status=status)
+    atomic_write(path, dump_json(record))
+    return status
+
+
+# --- report, first half: run dirs -> rows of results.json -------------------
+
+def read_json(path):
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError) as error:
+        fail(f'cannot read {path}: {error}')
+
+
+def read_history(directory):
+    """metrics.jsonl -> {(epoch, run): record}, a later line winning."""
+    path = os.path.join(directory, 'metrics.jsonl')
+    history = {}
+    try:
+        with open(path) as f:
+            lines = [line for line in f if line.strip()]
+        for number, line in enumerate(lines):
+            try:
+                record = json.loads(line)
+            except ValueError:
+                if number == len(lines) - 1:
+                    break  # a running writer's line, half written
+                raise
+            history[record['epoch'], record['run']] = record
+    except (OSError, ValueError, KeyError) as error:
+        fail(f'cannot read {path}: {error}')
+    if not history:
+        fail(f'{path}: no epoch recorded yet')
+    return history
+
+
+def greedy_key(history, summary):
+    """summary.json's final key, else the CLI's choice: temperature 0 at the
+    longest horizon evaluated."""
+    if summary and summary.get('final_eval_key'):
+        return summary['final_eval_key']
+    prefix = common.eval_key(0.0, 0)[:-1]
+    keys = {key for record in history.values() for key in record if key.startswith(prefix)}
+    if not keys:
+        fail('no greedy evaluation in metrics.jsonl')
+    return max(keys, key=lambda key: int(key[len(prefix):]))
+
+
+def row_config(row):
+    """The config.json a fresh run of the row's command writes (its flags,
+    the env's settings, the defaults), from the script's own command line
+    stopped before anything runs."""
+    from harness import cli
+    script = shlex.split(row.command)[1]
+    module = importlib.import_module(script[:-3])
+    captured = {}
+
+    def capture(make_agent, config, grid, args, prog):
+        captured.update(algorithm=script[:-3], **dataclasses.asdict(config), grid=grid)
+        return True
+
+    saved, cli.run_experiment = cli.run_experiment, capture
+    try:
+        module.main([*shlex.split(row.command)[2:], '--quiet'])
+    finally:
+        cli.run_experiment = saved
+    return json.loads(json.dumps(captured))  # tuples -> lists, as saved
+
+
+def command_mismatches(row, config):
+    """The fields where a run dir's config.json is not the row's command."""
+    expected = row_config(row)
+    return [f'{name} {config.get(name)} (the row: {expected[name]})'
+            for name in sorted(expected) if name not in ('checkpoint_every',)
+            and config.get(name) != expected[name]]
+
+
+def curve_of(history, key, n_runs):
+    """(epochs, env steps per seed, greedy return [points][seeds]) at every
+    epoch where each run has its greedy evaluation."""
+    epochs = sorted({epoch for epoch, _ in history})
+    points = [e for e in epochs
+              if all(history.get((e, run), {}).get(key) is not None for run in range(n_runs))]
+    steps = [int(history[e, 0]['rl/n_interactions']) for e in points]
+    returns = [[history[e, run][key] for run in range(n_runs)] for e in points]
+    return points, steps, returns
+
+
+def read_run(directory, row, plain, info):
+    """One run dir -> its row of results.json. `info`: its row.json, or None
+    (then the machine and commit are this one's, said in the row)."""
+    config = read_json(os.path.join(directory, 'config.json'))
+    seeds = list(range(config['seed'], config['seed'] + config['num_seeds']))
+    if seeds[0] < FIRST_EVALUATION_SEED:
+        fail(f'{directory}: seeds {seeds[0]}-{seeds[-1]}: reported rows use evaluation seeds '
+             f'>= {FIRST_EVALUATION_SEED} only (seeds below are for tuning)')
+    if config.get('grid'):
+        fail(f'{directory}: a grid ({", ".join(config["grid"])}); a row is one setting')
+    wrong = command_mismatches(row, config)
+    if wrong:
+        fail(f'{directory} is not the command of row {row.id}: {"; ".join(wrong[:3])}')
+    history = read_history(directory)
+    summary_path = os.path.join(directory, 'summary.json')
+    summary = read_json(summary_path) if os.path.exists(summary_path) else None
+    key = greedy_key(history, summary)
+    points, steps, returns = curve_of(history, key, len(seeds))
+    if not points:
+        fail(f'{directory}: no epoch with every seed\'s greedy evaluation yet')
+    epochs_run = max(epoch for epoch, _ in history)
+    last = history[epochs_run, 0]
+    record = {
+        'key': run_dir_name(row.id, plain), 'id': row.id, 'group': row.group, 'env': row.env,
+        'algo': row.algo, 'command': row.command, 'plain': plain, 'aggregate': row.aggregate,
+        'baseline': BASELINES[row.env],
+        'target': list(CARTPOLE_TARGET) if row.group == GROUPS[0].name else None,
+        'seeds': seeds, 'final': returns[-1], 'eval_key': key, 'eval_epoch': points[-1],
+        'env_steps_per_seed': steps[-1], 'steps_reached': int(last['rl/n_interactions']),
+        'epochs': epochs_run, 'epochs_asked': config['epochs'],
+        'complete': summary is not None and epochs_run >= config['epochs'],
+        'wall_s': summary['wall_s'] if summary else last.get('timing/since_start'),
+        'compile_s': summary['compile_s'] if summary else None,
+        'steps_asked': (config['n_interactions_per_epoch'] * config['epochs']
+                        if config.get('n_interactions_per_epoch') else None),
+        'curve': {'epochs': points, 'steps': steps, 'returns': returns},
+    }
+    record.update(provenance(info))
+    return record
+
+
+def provenance(info):
+    """Machine, commit, times and load: from row.json, else this machine's."""
+    if info is None:
+        return {'machine': machine(), 'recorded': 'at report time: no row.json, so the '
+                'machine and commit are the report\'s, the times and load unknown',
+                'start': None, 'end': None, 'load': None, 'exit_status': None}
+    return {'machine': info['machine'], 'recorded': 'row.json', 'start': info['start'],
+            'end': info.get('end'), 'load': [info.get('load_start'), info.get('load_end')],
+            'exit_status': info.get('exit_status')}
+
+
+def run_dirs(out, added):
+    """[(directory, row, plain, row.json or None)]: each dir under `out` with
+    a row.json, then each --add ROW=DIR."""
+    found = []
+    for name in sorted(os.listdir(out)) if os.path.isdir(out) else []:
+        path = os.path.join(out, name, 'row.json')
+        if not os.path.exists(path):
+            print(f'{PROG}: skipped {os.path.join(out, name)}: no row.json (--add ROW=DIR)',
+                  file=sys.stderr)
+            continue
+        if not os.path.exists(os.path.join(out, name, 'config.json')):
+            print(f'{PROG}: skipped {os.path.join(out, name)}: no config.json (the run never '
+                  'started)', file=sys.stderr)
+            continue
+        info = read_json(path)
+        if info.get('id') not in ROWS:
+            fail(f'{path}: row {info.get("id")!r} is not in the row table')
+        found.append((os.path.join(out, name), ROWS[info['id']], bool(info['plain']), info))
+    for text in added:
+        row_id, _, directory = text.partition('=')
+        plain = row_id.endswith('--plain')
+        row_id = row_id[:-len('--plain')] if plain else row_id
+        if row_id not in ROWS or not directory:
+            fail(f'--add {text}: expected ROW=DIR with ROW in the row table (`rows` lists them)')
+        path = os.path.join(directory, 'row.json')
+        found.append((directory, ROWS[row_id], plain,
+                      read_json(path) if os.path.exists(path) else None))
+    return found
+
+
+def load_results(path):
+    """results.json, or an empty one where there is none or it has the old
+    layout (a list of rows on seeds 0-7, which the protocol cannot report)."""
+    data = read_json(path) if os.path.exists(path) else None
+    if not isinstance(data, dict) or data.get('format') != FORMAT:
+        return {'format': FORMAT, 'rows': {}, 'random': {}}
+    return data
 
 
 def random_policy_return(env_name, episodes=256, seed=0):
@@ -165,247 +490,387 @@ def random_policy_return(env_name, episodes=256, seed=0):
     return float(jnp.mean(jax.jit(jax.vmap(episode))(keys)))
 
 
-def action_kind(env_name):
-    env, env_params = common.make_env(env_name)
-    return common.space_kind(env.action_space(env_params))
+def report(paths, added):
+    """Read the run dirs, merge them into results.json, write the documents."""
+    found = run_dirs(paths['runs'], added)
+    records = [read_run(directory, row, plain, info) for directory, row, plain, info in found]
+    data = load_results(paths['json'])
+    if os.path.exists(paths['json']) and isinstance(read_json(paths['json']), list):
+        print(f'{PROG}: {paths["json"]}: its rows of the old layout (seeds 0-7) are dropped',
+              file=sys.stderr)
+    for record in records:
+        data['rows'][record['key']] = record
+    for env in sorted({record['env'] for record in data['rows'].values()} - set(data['random'])):
+        data['random'][env] = {'return': random_policy_return(env), 'episodes': 256, 'seed': 0}
+    atomic_write(paths['json'], dump_json(data))
+    render(paths)
+    print(f'{PROG}: {len(records)} run dir(s) read; {len(data["rows"])} row(s) in '
+          f'{paths["json"]}')
 
 
-def script_of(algo, env_name):
-    """The file a row runs: a pg row runs actor_critic.py (PPO) where that file
-    has the env's settings, else pg.py (REINFORCE); an awr row actor_critic.py."""
-    if algo == 'awr' or (algo == 'pg' and env_name in
-                         importlib.import_module('actor_critic').ENV_SETTINGS):
-        return 'actor_critic'
-    return algo
+# --- report, second half: results.json -> results.md, results.png, README ---
+
+def render(paths):
+    """Every document, from results.json alone."""
+    data = load_results(paths['json'])
+    png = os.path.relpath(paths['png'], os.path.dirname(os.path.abspath(paths['md'])))
+    documents = {'md': markdown(data, png), 'png': plot(data)}
+    if paths['readme'] != 'none':  # (its block is checked before anything is written)
+        documents['readme'] = readme_with_block(paths['readme'], data)
+    for name, document in documents.items():
+        atomic_write(paths[name], document)
 
 
-def settings_table(algo, script, env_name):
-    """The per-env settings table the row's command line uses (no compiling)."""
-    module = importlib.import_module(script)
-    if algo == 'awr':
-        return module.env_settings('awr', env_name)
-    return getattr(module, 'ENV_SETTINGS', {})
+def ordered(data, group=None):
+    """Rows of results.json in the row table's order, each plain row right
+    under its default one; rows no longer in the table last."""
+    order = {row_id: index for index, row_id in enumerate(ROWS)}
+    rows = [r for r in data['rows'].values() if group is None or r['group'] == group]
+    return sorted(rows, key=lambda r: (order.get(r['id'], len(order)), r['id'], r['plain']))
 
 
-def run_row(env_name, algo, seeds, time_limit=None, jobs=1):
-    """One process with the env's settings (MinAtar: for `time_limit` seconds);
-    -> the row's figures and curves."""
-    first, count = seeds[0], len(seeds)
-    script = script_of(algo, env_name)
-    extra = ['--policy-loss', 'awr'] if algo == 'awr' else []
-    if time_limit is not None:
-        extra += ['--epochs', str(MINATAR_EPOCHS[algo]), '--time-limit', f'{time_limit:g}']
-    with tempfile.TemporaryDirectory() as out:
-        command = [sys.executable, os.path.join(ROOT, f'{script}.py'), '--env', env_name,
-                   '--seed', str(first), '--num-seeds', str(count), '--quiet',
-                   '--output-dir', out, '--compile-cache', 'none', *extra]
-        start = time.time()
-        result = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
-        wall = time.time() - start
-        if result.returncode != 0:
-            raise RuntimeError(f'{" ".join(command)} failed:\n{result.stderr[-2000:]}')
-        summary = json.load(open(os.path.join(out, 'summary.json')))
-        config = json.load(open(os.path.join(out, 'config.json')))
-        history = [json.loads(line) for line in open(os.path.join(out, 'metrics.jsonl'))]
-    key = summary['final_eval_key']
-    epochs = sorted({r['epoch'] for r in history})
-    curve = np.full((len(epochs), count), np.nan)
-    steps = np.zeros(len(epochs))
-    for record in history:
-        row = epochs.index(record['epoch'])
-        value = record.get(key)
-        curve[row, record['run']] = np.nan if value is None else value
-        steps[row] = record['rl/n_interactions']
-    finals = np.asarray(summary['final_eval_return'], float)
-    mode = None
-    if algo == 'pg':  # the loss, gSDE where it explores, the GRU where it remembers
-        mode = config['policy_loss'] + (', gSDE' if config.get('state_dependent_exploration')
-                                        else '') + (', GRU' if config.get('torso') == 'gru'
-                                                    else '')
-    table = settings_table(algo, script, env_name)
-    settings = flags.settings_flags(table.get(env_name, {})) or '(defaults)'
-    if time_limit is not None:
-        settings += ', then ' + ' '.join(extra)
-    return {
-        'env': env_name, 'algo': algo, 'mode': mode, 'seeds': list(seeds),
-        'epochs': summary['epochs'], 'time_limit_s': time_limit, 'jobs': jobs,
-        'env_steps_per_seed': int(summary['env_steps_per_seed'][0]),
-        'wall_s': wall, 'compile_s': summary['compile_s'],
-        'mean': float(np.mean(finals)), 'min': float(np.min(finals)),
-        'finals': finals.tolist(), 'settings': settings,
-        'curve_steps': steps.tolist(), 'curve': curve.tolist(),
-    }
-
-
-def machine():
-    cpus = os.cpu_count()
-    try:
-        import jax
-        backend = jax.default_backend()
-    except Exception:  # noqa: BLE001 - only a label
-        backend = '?'
-    processor = platform.processor() or platform.machine()
-    return f'{platform.system()} {processor}, {cpus} CPU cores, JAX backend {backend}'
+def seed_of(text):
+    """A bootstrap seed fixed per row, so one row's interval never moves with another's."""
+    return zlib.crc32(text.encode())
 
 
 def fmt(value):
     if value is None:
-        return ''
+        return '?'
     return f'{value:.3g}' if abs(value) < 10 else f'{value:.1f}'
 
 
-def meets(row):
-    """The issue's target: the mean reaches the baseline and the worst seed is
-    within 10% of it (0.1 on bsuite's 0-1 scales and for a baseline of 0)."""
-    baseline = BASELINES.get(row['env'])
-    if baseline is None:
-        return ''
-    slack = 0.1 if row['env'].endswith('-bsuite') or abs(baseline) <= 1 else 0.1 * abs(baseline)
-    ok = row['mean'] >= baseline and row['min'] >= baseline - slack
-    return 'yes' if ok else 'no'
+def summary_of(record):
+    """(IQM, low, high, mean, worst) of the row's final greedy returns."""
+    final = np.asarray(record['final'], float)
+    point, low, high = stats.iqm_interval([final], seed=seed_of(record['key']))
+    return point, low, high, float(final.mean()), float(final.min())
 
 
-def write_table(rows, path):
-    lines = [
-        '# Results: gymnax envs with each env\'s settings',
-        '',
-        f'Written by `python tests/results.py` on {machine()}; each row is one process '
-        '`python ALGO.py --env ENV --num-seeds N` (awr: `python actor_critic.py '
-        '--policy-loss awr --env ENV --num-seeds N`; compile time included in its wall '
-        'seconds). Greedy return over the evaluation episodes after the last epoch, mean '
-        'and min over the seeds. Random: uniformly random actions, 256 episodes. Baseline: '
-        'gymnax README (gymnax-blines). "meets": mean >= baseline and worst seed within '
-        '10% of it (0.1 on 0-1 scales).',
-        '',
-        '| env | algo (mode) | seeds | env steps per seed | wall s (all seeds) | greedy mean '
-        '| greedy min | random | baseline | meets |',
-        '|---|---|---|---|---|---|---|---|---|---|',
-    ]
-    for row in rows:
-        algo = row['algo'] + (f' ({row["mode"]})' if row.get('mode') else '')
-        seeds = row['seeds']
-        lines.append(f'| {row["env"]} | {algo} | {seeds[0]}-{seeds[-1]} | '
-                     f'{row["env_steps_per_seed"]:,} | {row["wall_s"]:.0f} | '
-                     f'{fmt(row["mean"])} | {fmt(row["min"])} | {fmt(row["random"])} | '
-                     f'{fmt(BASELINES.get(row["env"]))} | {meets(row)} |')
-    notes = [(env, minatar_note(rows, env) if env in MINATAR else NOTES[env])
-             for env in dict.fromkeys(r['env'] for r in rows) if env in NOTES or env in MINATAR]
-    if any(row['algo'] == 'awr' for row in rows):
-        notes.append(('awr rows', AWR_NOTE))
-    if notes:
-        lines += ['', 'Rows that cannot meet the baseline by design, or need a note:', '']
-        lines += [f'- {env}: {note}.' for env, note in notes]
-    lines += ['', 'Settings used (ENV_SETTINGS in the algorithm\'s file; awr: AWR_SETTINGS '
-              'with the env\'s AWR_ENV_SETTINGS entry, in actor_critic.py):', '']
-    lines += [f'- {row["env"]}, {row["algo"]}: `{row["settings"]}`' for row in rows]
-    lines += ['', f'![learning curves]({os.path.basename(png_path(path))})', '']
-    tmp = path + '.tmp'
-    with open(tmp, 'w') as f:
-        f.write('\n'.join(lines))
-    os.replace(tmp, path)
+def verdict(record):
+    """The row's target and whether it is met, in words."""
+    point, _, _, _, worst = summary_of(record)
+    if record['target']:  # the CartPole commands' (IQM, worst seed)
+        least, worst_least = record['target']
+        target, ok = (f'IQM >= {least}, worst >= {worst_least}',
+                      point >= least and worst >= worst_least)
+    else:
+        baseline = record['baseline']
+        slack = 0.1 if abs(baseline) <= 1 else 0.1 * abs(baseline)
+        target, ok = f'baseline {fmt(baseline)}', point >= baseline and worst >= baseline - slack
+    incomplete = '' if record['complete'] else ' (run incomplete)'
+    return f'{target}: {"met" if ok else "NOT MET"}{incomplete}', ok
 
 
-def png_path(path):
-    return os.path.splitext(path)[0] + '.png'
+def shown_command(record, legend):
+    """The row's command, its long flag sets by their legend names."""
+    command = record['command']
+    for name, text in legend.items():
+        command = command.replace(text, name)
+    return f'`{command}`' + (' (plain compile)' if record['plain'] else '')
 
 
-def plot(rows, path):
+def seeds_text(seeds):
+    return f'{seeds[0]}-{seeds[-1]} ({len(seeds)})'
+
+
+def table_line(record, legend):
+    point, low, high, mean, worst = summary_of(record)
+    steps = f'{record["env_steps_per_seed"]:,}'
+    wall = '?' if record['wall_s'] is None else f'{record["wall_s"]:.0f}'
+    return (f'| {shown_command(record, legend)} | {record["env"]} | {fmt(point)} '
+            f'[{fmt(low)}, {fmt(high)}] | {fmt(mean)} | {fmt(worst)} | '
+            f'{seeds_text(record["seeds"])} | {steps} | {wall} | {verdict(record)[0]} |')
+
+
+def row_notes(records):
+    """Per-row notes: an incomplete run's progress, a row read without row.json."""
+    notes = []
+    for record in records:
+        if not record['complete']:
+            asked = (f' of {record["steps_asked"]:,}' if record.get('steps_asked') else '')
+            rate = (f', {record["steps_reached"] * len(record["seeds"]) / record["wall_s"]:,.0f} '
+                    f'steps/s (all seeds) over {record["wall_s"]:,.0f} s'
+                    if record['wall_s'] else '')
+            notes.append(f'`{record["key"]}`: incomplete: {record["epochs"]} of '
+                         f'{record["epochs_asked"]} epochs, {record["steps_reached"]:,}{asked} '
+                         f'steps per seed{rate}; its figures are from the evaluation at epoch '
+                         f'{record["eval_epoch"]}')
+        if record['recorded'] != 'row.json':
+            notes.append(f'`{record["key"]}`: recorded {record["recorded"]}')
+    return notes
+
+
+def group_section(data, group):
+    """One group's table, its legend, its notes, and the rows not run yet."""
+    records = ordered(data, group.name)
+    lines = [f'## {group.name}', '']
+    if records:
+        lines += ['| command | env | IQM [95% CI] | mean | worst seed | seeds | env steps per '
+                  'seed | wall s | target / baseline |', '|---|---|---|---|---|---|---|---|---|']
+        lines += [table_line(record, group.legend) for record in records]
+        lines.append('')
+    lines += [f'- `{name}` = `{text}`' for name, text in group.legend.items()]
+    lines += [''] if group.legend else []
+    missed = dict.fromkeys(r['env'] for r in records if not verdict(r)[1] and r['env'] in NOTES)
+    notes = [f'{env}: {NOTES[env]}.' for env in missed] + row_notes(records)
+    lines += [f'- {note}' for note in notes] + ([''] if notes else [])
+    done = {(r['id'], r['plain']) for r in records}
+    missing = [f'`{row.id}{" --plain" if plain else ""}`'
+               for row in ROWS.values() if row.group == group.name
+               for plain in ((False, True) if row.plain else (False,))
+               if (row.id, plain) not in done]
+    if missing:
+        plain = ' [--plain]' if any(row.plain for row in ROWS.values()
+                                    if row.group == group.name) else ''
+        lines += [f'Not run yet (`python tests/results.py run --row ROW --seeds {group.seeds}'
+                  f'{plain}`): {", ".join(missing)}.', '']
+    return lines
+
+
+FIRST, TARGET = FIRST_EVALUATION_SEED, CARTPOLE_TARGET
+PROTOCOL = f"""## Protocol
+
+- **Tuning and evaluation seeds.** Settings (the defaults, the per-env
+  settings, named modes such as `dqn.PQN_MINATAR`) are chosen on tuning
+  seeds 0-15 or fewer. Every number reported here comes from evaluation
+  seeds {FIRST} and up, which no tuning used: `tests/results.py report`
+  refuses a run with a seed below {FIRST}.
+- **How many seeds.** 32 where a run takes minutes, at least 8 where it
+  takes an hour, at least 2 for MinAtar at 10M steps.
+- **Choosing between candidates.** By IQM and worst seed, never by the
+  best seed; a setting with margin is preferred over one at the edge of
+  what works; each candidate runs as one vmapped grid (e.g. `--lr
+  1e-3,3e-3 --num-seeds 16`), so candidates share seeds and one compile.
+- **Compile modes.** Where the table says so (the CartPole commands),
+  every row also runs compiled without `common.compiler_options` (XLA's
+  default options; `run --plain`), standing in for another machine's code
+  generation; that row sits directly under its default row.
+- **A row is a command**, run as typed plus `--seed {FIRST} --num-seeds N`:
+  `python tests/results.py run --row ROW --seeds {FIRST}:{FIRST + 32}` runs
+  it into runs/results/ROW/ with a row.json (machine, commit, times,
+  load); `python tests/results.py report` writes this file, results.json,
+  results.png and README.md's summary from those.
+- **Figures.** Each seed's greedy return (temperature 0) at the run's last
+  evaluation. IQM: the mean of the middle 50% of the seeds (scipy's
+  `trim_mean(x, 0.25)`); its 95% interval: the percentile interval of
+  {stats.REPS} bootstrap resamples of the seeds (rliable's stratified
+  bootstrap). Worst seed: the lowest. Wall s: the whole command, compile
+  included.
+- **Targets.** CartPole commands: IQM >= {TARGET[0]} and worst seed >= {TARGET[1]},
+  in both compile modes. Other rows: gymnax's published baseline
+  (gymnax-blines' PPO or ES, from its README), met when the IQM reaches it
+  and the worst seed is within 10% of it (within 0.1 where the baseline is
+  at most 1 in size); MemoryChain's is 1, remembering the context (gymnax
+  lists 0.1).
+"""
+
+
+def markdown(data, png):
+    lines = ['# Results', '', PROTOCOL]
+    for group in GROUPS:
+        lines += group_section(data, group)
+    lines += aggregate_section(data) + machine_section(data)
+    lines += ['## Learning curves', '', f'![learning curves]({png})', '', CAPTION, '']
+    return '\n'.join(lines)
+
+
+CAPTION = ('At each evaluation, the IQM over seeds of the greedy return (line) and its 95% '
+           f'bootstrap interval (band: {stats.REPS} resamples of the seeds, each a whole '
+           'learning curve); default compile mode only; x: env steps per seed; dashed: the '
+           'uniformly random policy, dotted: the baseline or target.')
+
+
+def aggregate(data, algo):
+    """(IQM, low, high, envs, runs) of the baseline-normalised final returns of
+    `algo`'s aggregate rows (default compile mode), one stratum per env."""
+    records = [r for r in ordered(data) if r['aggregate'] == algo and not r['plain']]
+    if not records:
+        return None
+    tasks = [stats.normalised(r['final'], data['random'][r['env']]['return'], r['baseline'])
+             for r in records]
+    point, low, high = stats.iqm_interval(tasks, seed=seed_of(algo))
+    return point, low, high, [r['env'] for r in records], sum(len(t) for t in tasks)
+
+
+def aggregate_sentence(data, algo):
+    found = aggregate(data, algo)
+    if found is None:
+        return None
+    point, low, high, envs, runs = found
+    total = sum(row.aggregate == algo for row in ROWS.values())
+    return (f'{algo}: IQM of the baseline-normalised score {point:.2f} [95% CI {low:.2f}, '
+            f'{high:.2f}] over {len(envs)} of its {total} classic, bsuite and misc envs '
+            f'({runs} runs)')
+
+
+def aggregate_section(data):
+    lines = ['## Aggregate', '',
+             'Per algorithm, over CartPole-v1 and the classic/bsuite/misc envs (the rows that '
+             'count: `python dqn.py` and `python actor_critic.py` on CartPole, and that group\'s '
+             'rows): the IQM over every (env, seed) of (score - random) / (baseline - random), '
+             '0 for the uniformly random policy (256 episodes), 1 for the baseline; its 95% '
+             'interval from a bootstrap stratified by env.', '']
+    sentences = [aggregate_sentence(data, algo) for algo in ('DQN', 'PPO')]
+    lines += [f'- {s}.' for s in sentences if s] or ['No aggregate rows yet.']
+    envs = [env for env in ('CartPole-v1', *CLASSIC) if env in data['random']]
+    if envs:
+        lines += ['', '| env | random | baseline |', '|---|---|---|']
+        lines += [f'| {env} | {fmt(data["random"][env]["return"])} | {fmt(BASELINES[env])} |'
+                  for env in envs]
+    return lines + ['']
+
+
+def machine_section(data):
+    """Each machine and commit, with the rows that ran there and their load."""
+    by_machine = {}
+    for record in ordered(data):
+        m = record['machine']
+        label = (f'{m["cpu"]}, {m["cores"]} cores, {m.get("devices", "devices unknown")}, '
+                 f'jax {m["jax"]}, commit {(m["commit"] or "unknown")[:10]}'
+                 f'{" (tree dirty)" if m["dirty"] else ""}')
+        by_machine.setdefault(label, []).append(record)
+    lines = ['## Machines and commits', '']
+    for label, records in by_machine.items():
+        loads = [x for r in records for x in (r['load'] or []) if x is not None]
+        load = f'; 1-minute load {min(loads):.1f}-{max(loads):.1f}' if loads else ''
+        keys = [r['key'] + ('' if r['recorded'] == 'row.json' else ' (at report time)')
+                for r in records]
+        lines.append(f'- {label}: {", ".join(keys)}{load}')
+    return lines + ([] if by_machine else ['No rows yet.']) + ['']
+
+
+def readme_block(data):
+    """README.md's results summary, between its markers."""
+    lines = [BEGIN, '<!-- written by `python tests/results.py report` from docs/results.json -->',
+             '']
+    records = ordered(data, GROUPS[0].name)
+    if records:
+        lines += ['| command | IQM [95% CI] | worst seed | seeds | env steps per seed | wall s '
+                  '| target |', '|---|---|---|---|---|---|---|']
+        for record in records:
+            point, low, high, _, worst = summary_of(record)
+            wall = '?' if record['wall_s'] is None else f'{record["wall_s"]:.0f}'
+            lines.append(f'| {shown_command(record, {})} | {fmt(point)} [{fmt(low)}, '
+                         f'{fmt(high)}] | {fmt(worst)} | {seeds_text(record["seeds"])} | '
+                         f'{record["env_steps_per_seed"]:,} | {wall} | {verdict(record)[0]} |')
+    else:
+        lines.append('No CartPole rows on evaluation seeds yet.')
+    sentences = [s for s in (aggregate_sentence(data, a) for a in ('DQN', 'PPO')) if s]
+    if sentences:
+        lines += ['', 'Across gymnax: ' + '; '.join(sentences) + '.']
+    return '\n'.join(lines + ['', END])
+
+
+def readme_with_block(path, data):
+    with open(path) as f:
+        text = f.read()
+    start, end = text.find(BEGIN), text.find(END)
+    if start < 0 or end < start:
+        fail(f'{path}: no {BEGIN} ... {END} block to write the results into')
+    return text[:start] + readme_block(data) + text[end + len(END):]
+
+
+def plot(data):
+    """PNG bytes: one panel per env, panels grouped per env group."""
+    import io
     import matplotlib
     matplotlib.use('Agg')
     import matplotlib.pyplot as plt
-    envs = list(dict.fromkeys(row['env'] for row in rows))
-    columns = min(4, len(envs))
-    lines = -(-len(envs) // columns)
-    figure, axes = plt.subplots(lines, columns, figsize=(4 * columns, 3 * lines), squeeze=False)
-    for axis, env in zip(axes.flat, envs):
-        for row in (r for r in rows if r['env'] == env):
-            curve = np.asarray(row['curve'], float)
-            steps = np.asarray(row['curve_steps'])
-            evaluated = ~np.all(np.isnan(curve), axis=1)  # every --eval-every epochs
-            curve, steps = curve[evaluated], steps[evaluated]
-            label = row['algo'] + (f' ({row["mode"]})' if row.get('mode') else '')
-            line, = axis.plot(steps, np.nanmean(curve, axis=1), label=label)
-            axis.fill_between(steps, np.nanmin(curve, axis=1), np.nanmax(curve, axis=1),
-                              color=line.get_color(), alpha=0.2)
-        if env in BASELINES:
-            axis.axhline(BASELINES[env], color='k', linestyle=':', linewidth=1,
-                         label='baseline')
-        axis.axhline(next(r['random'] for r in rows if r['env'] == env), color='grey',
-                     linestyle='--', linewidth=1, label='random')
-        axis.set_title(env, fontsize=9)
-        axis.set_xlabel('env steps per seed', fontsize=8)
-        axis.tick_params(labelsize=7)
-        axis.legend(fontsize=6)
-    for axis in list(axes.flat)[len(envs):]:
-        axis.axis('off')
-    figure.suptitle('greedy return: mean over seeds, min-max band', fontsize=10)
-    figure.tight_layout()
-    figure.savefig(path, dpi=80)
+    groups = [(g, envs_of(data, g.name)) for g in GROUPS]
+    groups = [(g, envs) for g, envs in groups if envs]
+    heights = [-(-len(envs) // 4) for _, envs in groups] or [1]
+    figure = plt.figure(figsize=(16, 3.2 * sum(heights) + 0.6 * len(heights)), layout='constrained')
+    colours = {algo: f'C{i}' for i, algo in enumerate(dict.fromkeys(r.algo for r in ROWS.values()))}
+    for sub, (group, envs) in zip(np.atleast_1d(figure.subfigures(len(heights), 1,
+                                                                   height_ratios=heights)), groups):
+        sub.suptitle(group.name, fontsize=11, fontweight='bold')
+        axes = sub.subplots(-(-len(envs) // 4), 4, squeeze=False)
+        for axis, env in zip(axes.flat, envs):
+            panel(axis, data, group.name, env, colours)
+        for axis in list(axes.flat)[len(envs):]:
+            axis.axis('off')
+    figure.suptitle('greedy return: IQM over seeds (line), 95% bootstrap interval (band)'
+                    if groups else 'no rows on evaluation seeds yet', fontsize=12)
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format='png', dpi=70, metadata={'Software': None})
     plt.close(figure)
+    return buffer.getvalue()
 
 
-def parse_seeds(text):
-    """'8' -> seeds 0-7; '8-15' -> seeds 8..15."""
-    if '-' in text:
-        low, high = (int(part) for part in text.split('-'))
-        return list(range(low, high + 1))
-    return list(range(int(text)))
+def envs_of(data, group):
+    return list(dict.fromkeys(r['env'] for r in ordered(data, group)))
+
+
+def panel(axis, data, group, env, colours):
+    """One env's learning curves: IQM line, bootstrap band, random and target lines."""
+    for record in (r for r in ordered(data, group) if r['env'] == env and not r['plain']):
+        steps = np.asarray(record['curve']['steps'])
+        middle, low, high = stats.curve_band(record['curve']['returns'],
+                                             seed=seed_of(record['key']))
+        colour = colours.get(record['algo'])
+        axis.plot(steps, middle, color=colour, label=f'{record["algo"]} '
+                  f'({len(record["seeds"])} seeds)')
+        axis.fill_between(steps, low, high, color=colour, alpha=0.2, linewidth=0)
+    first = next(r for r in ordered(data, group) if r['env'] == env)
+    target = first['target'][0] if first['target'] else first['baseline']
+    axis.axhline(target, color='k', linestyle=':', linewidth=1)
+    if env in data['random']:
+        axis.axhline(data['random'][env]['return'], color='grey', linestyle='--', linewidth=1)
+    axis.set_title(env, fontsize=9)
+    axis.set_xlabel('env steps per seed', fontsize=8)
+    axis.tick_params(labelsize=7)
+    axis.legend(fontsize=7)
+
+
+# --- the command line ------------------------------------------------------
+
+def list_rows():
+    for group in GROUPS:
+        print(f'{group.name} (seeds {group.seeds}):')
+        for row in (r for r in ROWS.values() if r.group == group.name):
+            command = row.command
+            for name, text in group.legend.items():
+                command = command.replace(text, name)
+            print(f'  {row.id:30} {command}{" [and --plain]" if row.plain else ""}')
+        for name, text in group.legend.items():
+            print(f'  {name} = {text}')
+
+
+def parser():
+    top = argparse.ArgumentParser(prog=PROG, description=__doc__.split('\n\n')[0],
+                                  formatter_class=argparse.RawDescriptionHelpFormatter,
+                                  epilog='\n\n'.join(__doc__.split('\n\n')[1:]))
+    commands = top.add_subparsers(dest='command', required=True)
+    commands.add_parser('rows', help='list the row table: id, command')
+    run = commands.add_parser('run', help='run one row into runs/results/ROW[--plain]/')
+    run.add_argument('--row', required=True, help='a row id (`rows` lists them)')
+    run.add_argument('--seeds', required=True, help='FIRST:STOP, e.g. 1000:1032 (32 seeds)')
+    run.add_argument('--plain', action='store_true',
+                     help='compile without common.compiler_options (XLA defaults)')
+    run.add_argument('--out', default=DEFAULT['runs'], help='default: runs/results')
+    rep = commands.add_parser('report', help='run dirs -> results.json -> md, png, README')
+    rep.add_argument('--runs', default=DEFAULT['runs'],
+                     help='the run dirs `run` wrote (default: runs/results)')
+    rep.add_argument('--add', action='append', default=[], metavar='ROW[--plain]=DIR',
+                     help='also read DIR as ROW (a CLI output dir; no row.json needed)')
+    for name in ('json', 'md', 'png', 'readme'):
+        rep.add_argument(f'--{name}', default=DEFAULT[name],
+                         help=f'default: {os.path.relpath(DEFAULT[name], ROOT)}'
+                         + (' (none: leave it alone)' if name == 'readme' else ''))
+    return top
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
-    parser.add_argument('--envs', default=','.join(BASELINES),
-                        help='comma list of gymnax envs (default: every env with a baseline)')
-    parser.add_argument('--algos', default='dqn,pg',
-                        help='comma list of dqn, pg, awr (actor_critic.py --policy-loss awr); '
-                             'dqn skips continuous-action envs, awr MinAtar (no settings)')
-    parser.add_argument('--seeds', default=None,
-                        help='N (seeds 0..N-1) or A-B (default: 8; MinAtar rows 4)')
-    parser.add_argument('--out', default=os.path.join(ROOT, 'docs', 'results.md'))
-    parser.add_argument('--minatar-minutes', type=float, default=30,
-                        help='wall-time budget of each MinAtar row (default: 30)')
-    parser.add_argument('--jobs', type=int, default=1,
-                        help='rows run at the same time (each then has a share of the cores, '
-                             'which the table notes for MinAtar rows; default: 1)')
-    parser.add_argument('--render', action='store_true',
-                        help='only rewrite --out and its PNG from the saved rows')
-    args = parser.parse_args(argv)
-    json_path = os.path.splitext(args.out)[0] + '.json'
-    rows = json.load(open(json_path)) if os.path.exists(json_path) else []
-    if args.render:
-        write_table(rows, args.out)
-        plot(rows, png_path(args.out))
-        return rows
-    tasks = []  # (env, algo, seeds, time limit, random policy's return)
-    for env_name in [e.strip() for e in args.envs.split(',') if e.strip()]:
-        kind = action_kind(env_name)
-        random_return = random_policy_return(env_name)
-        for algo in [a.strip() for a in args.algos.split(',') if a.strip()]:
-            if (algo == 'dqn' and kind != 'discrete') or (algo == 'awr' and env_name in MINATAR):
-                continue
-            seeds = parse_seeds(args.seeds or ('4' if env_name in MINATAR else '8'))
-            time_limit = 60 * args.minatar_minutes if env_name in MINATAR else None
-            tasks.append((env_name, algo, seeds, time_limit, random_return))
-    with concurrent.futures.ThreadPoolExecutor(max(1, args.jobs)) as pool:
-        futures = [pool.submit(run_row, env_name, algo, seeds, time_limit, args.jobs)
-                   for env_name, algo, seeds, time_limit, _ in tasks]
-        for future, (env_name, algo, _, _, random_return) in zip(futures, tasks):
-            row = future.result()
-            row['random'] = random_return
-            print(f'{env_name} {algo}: mean {row["mean"]:.3f} min {row["min"]:.3f} '
-                  f'({row["env_steps_per_seed"]} steps, {row["wall_s"]:.0f} s, random '
-                  f'{random_return:.3f}, baseline {BASELINES.get(env_name)}) {meets(row)}',
-                  flush=True)
-            rows = [r for r in rows if (r['env'], r['algo']) != (env_name, algo)] + [row]
-            order = list(BASELINES)
-            rows.sort(key=lambda r: (order.index(r['env']) if r['env'] in order else 99,
-                                     r['algo']))
-            os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-            with open(json_path, 'w') as f:
-                json.dump(rows, f)
-            write_table(rows, args.out)
-            plot(rows, png_path(args.out))
-    return rows
+    args = parser().parse_args(argv)
+    if args.command == 'rows':
+        list_rows()
+    elif args.command == 'run':
+        if args.row not in ROWS:
+            fail(f'--row {args.row}: not in the row table (`rows` lists them)')
+        sys.exit(run_row(ROWS[args.row], parse_seeds(args.seeds), args.plain, args.out))
+    else:
+        report({name: getattr(args, name) for name in DEFAULT}, args.add)
 
 
 if __name__ == '__main__':
