@@ -654,21 +654,27 @@ def test_value_network_learns_the_image_probe_through_the_conv_torso():
 
 def test_env_settings_table_names_real_fields_and_valid_configs():
     fields = {field.name: field for field in dataclasses.fields(ac.Config)}
-    awr = {name: {**ac.AWR_SETTINGS, **entry} for name, entry in ac.AWR_ENV_SETTINGS.items()}
-    for table, loss in ((ac.ENV_SETTINGS, 'ppo'), (awr, 'awr'),
-                        ({'CartPole-v1': ac.AWR_SETTINGS}, 'awr')):
-        for name, settings in table.items():
+    defaults = {name: field.default for name, field in fields.items()}
+    # (table, the loss each entry is for, what an entry's fields would be without it)
+    tables = [(ac.ENV_SETTINGS, 'ppo', defaults)]
+    for loss, own in ac.MODE_SETTINGS.items():
+        tables.append(({'CartPole-v1': own}, loss, defaults))
+        tables.append((ac.MODE_ENV_SETTINGS[loss], loss, {**defaults, **own}))
+    for table, loss, base in tables:
+        for name, entry in table.items():
             assert name in GYMNAX_ENVS, name
+            settings = {**base, **entry}
             assert settings['policy_loss'] == loss  # each entry names the loss it is for
-            for field, value in settings.items():
+            for field, value in entry.items():
                 assert field in fields, (name, field)
-                assert value != fields[field].default or field == 'policy_loss', (name, field)
-            ac.check_config(dataclasses.replace(ac.Config(env=name), **settings))
-    # The table a command line gets: PPO's unless it asks for awr.
+                assert value != base[field] or field == 'policy_loss', (name, field)
+            ac.check_config(dataclasses.replace(
+                ac.Config(env=name), **{k: v for k, v in settings.items() if k != 'env'}))
+    # The table a command line gets: PPO's unless it asks for a mode with its own.
     assert ac.env_settings('ppo', 'Pendulum-v1') is ac.ENV_SETTINGS
-    assert ac.env_settings('a2c', 'Pendulum-v1') is ac.ENV_SETTINGS
-    assert ac.env_settings('awr', 'Catch-bsuite')['Catch-bsuite'] == {
-        **ac.AWR_SETTINGS, **ac.AWR_ENV_SETTINGS.get('Catch-bsuite', {})}
+    for loss in ('a2c', 'awr'):
+        assert ac.env_settings(loss, 'Catch-bsuite')['Catch-bsuite'] == {
+            **ac.MODE_SETTINGS[loss], **ac.MODE_ENV_SETTINGS[loss].get('Catch-bsuite', {})}
 
 
 def test_env_settings_apply_flags_override_and_config_records(tmp_path, capsys):
@@ -690,36 +696,22 @@ def test_env_settings_apply_flags_override_and_config_records(tmp_path, capsys):
     assert config['state_dependent_exploration'] is False and config['epochs'] == 1
 
 
-def test_env_settings_are_for_their_policy_loss(tmp_path, capsys):
-    """Asking for another --policy-loss than an entry's (tuned for PPO) uses
-    none of it, and says so."""
-    out = tmp_path / 'run'
-    ac.main(['--env', 'Pendulum-v1', '--policy-loss', 'a2c', '--epochs', '1',
-             '--n-trajectories-per-epoch', '2', '--n-interactions-per-epoch', 'none',
-             '--max-steps', '10', '--n-eval-episodes', '0', '--batch-size', '0',
-             '--value-batch-size', '0', '--train-steps-per-epoch', '1',
-             '--value-train-steps-per-epoch', '1',
-             '--compile-cache', 'none', '--no-tensorboard', '--output-dir', str(out)])
-    printed = capsys.readouterr().out.splitlines()[0]
-    assert printed == ('actor_critic.py: the settings for Pendulum-v1 are for --policy-loss ppo: '
-                       'not applied to --policy-loss a2c')
-    config = json.loads((out / 'config.json').read_text())
-    assert config['policy_loss'] == 'a2c' and config['entropy_coeff'] == ac.Config.entropy_coeff
-    assert config['gamma'] == ac.Config.gamma and config['epochs'] == 1
-
-
-@pytest.mark.parametrize('env', ['CartPole-v1', 'Pendulum-v1'])
-def test_awr_brings_its_own_settings_never_ppos(env, tmp_path, capsys):
-    """`--policy-loss awr` (one tiny epoch): AWR's settings, with the env's
-    AWR entry over them, are applied and printed; none of the env's PPO entry
-    is; a flag typed still wins."""
+@pytest.mark.parametrize('loss, env', [('awr', 'CartPole-v1'), ('awr', 'Pendulum-v1'),
+                                       ('a2c', 'Pendulum-v1')])
+def test_a_mode_brings_its_own_settings_never_ppos(loss, env, tmp_path, capsys):
+    """`--policy-loss a2c` or `awr` (one tiny epoch): the mode's settings, with
+    the env's entry for that mode over them, are applied and printed; none of
+    the env's PPO entry is (Pendulum's gamma 0.95); a flag typed still wins."""
     out = tmp_path / 'run'
     typed = dict(epochs=1, n_envs=2, n_interactions_per_epoch=8, batch_size=4,
                  value_batch_size=4, train_steps_per_epoch=2, value_train_steps_per_epoch=2,
                  n_eval_episodes=0, n_replay_epochs=3)
-    ac.main(['--policy-loss', 'awr', '--env', env, *flags.settings_flags(typed).split(),
+    if loss == 'a2c':  # leave two of A2C's own settings to apply
+        typed = {k: v for k, v in typed.items()
+                 if k not in ('batch_size', 'train_steps_per_epoch', 'n_replay_epochs')}
+    ac.main(['--policy-loss', loss, '--env', env, *flags.settings_flags(typed).split(),
              '--compile-cache', 'none', '--no-tensorboard', '--output-dir', str(out)])
-    settings = {**ac.AWR_SETTINGS, **ac.AWR_ENV_SETTINGS.get(env, {})}
+    settings = {**ac.MODE_SETTINGS[loss], **ac.MODE_ENV_SETTINGS[loss].get(env, {})}
     applied = {field: value for field, value in settings.items()
                if field not in typed and field != 'policy_loss'}
     printed = capsys.readouterr().out.splitlines()[0]
