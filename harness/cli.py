@@ -401,7 +401,7 @@ def _set_up(make_agent, config, grid, args, prog):
     flags.check_run_flags(args)
     if getattr(args, 'tensorboard', True) and importlib.util.find_spec('tensorboardX') is None:
         raise common.UsageError('TensorBoard summaries need the tensorboardX package '
-                         '(pip install -r requirements.txt); or pass --no-tensorboard')
+                         '(pip install -r requirements.lock); or pass --no-tensorboard')
     devices.start_processes(args, prog)  # with the process flags: connect, before any JAX work
     devices.check_same_flags(args)
     runs = common.expand_runs(config, grid, args.seed, args.num_seeds)
