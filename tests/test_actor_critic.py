@@ -732,9 +732,10 @@ def test_a_mode_brings_its_own_settings_never_ppos(loss, env, tmp_path, capsys):
 # epoch adds a size-1 axis and a slot write, no arithmetic. Both are computed
 # here because another CPU's float32 rounding differs from a recorded run's.
 PRE_REPLAY_COMMIT = '7182748'  # b1a555a^, the parent of the replay's commit
+# Every field the defaults have moved since then is given (lr, value_lr).
 TINY = dict(n_envs=4, n_interactions_per_epoch=64, train_steps_per_epoch=8, batch_size=16,
             value_batch_size=16, value_train_steps_per_epoch=6, value_evals_per_epoch=2,
-            hidden_sizes=(8,), n_eval_episodes=2, epochs=3)
+            hidden_sizes=(8,), n_eval_episodes=2, epochs=3, lr=2e-3, value_lr=2e-3)
 UNCHANGED_BY_THE_REPLAY = {
     'ppo': dict(TINY, policy_loss='ppo'),
     'a2c': dict(TINY, policy_loss='a2c', n_interactions_per_epoch=None,
