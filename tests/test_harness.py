@@ -491,7 +491,8 @@ def test_help_shows_each_constraint(script, capsys):
     with pytest.raises(SystemExit):
         module.main(['--help'])
     out = ' '.join(capsys.readouterr().out.split())
-    for text in ('{>= 1} (default: 50)' if script == 'dqn' else '{>= 1} (default: 40)',
+    epochs = {'dqn': 50, 'pg': 40, 'actor_critic': 100}[script]
+    for text in (f'{{>= 1}} (default: {epochs})',
                  '{in (0, 1]} [comma list = sweep]', '{> 0} [comma list = sweep]'):
         assert text in out, text
 
