@@ -46,6 +46,7 @@ import numpy as np
 import optax
 
 import common
+import policies
 
 
 POLICY_LOSSES = ('a2c', 'ppo', 'awr')
@@ -135,7 +136,7 @@ class Config:
         'for [height, width, channels] observations, mlp otherwise) or gru: auto\'s layers, '
         'then a GRU whose state carries through each episode; it trains on sequences of '
         '--max-slice-length steps from the state stored at their first step',
-        choices=common.POLICY_TORSOS)
+        choices=policies.TORSOS)
     gru_size: int = common.option(64, '--torso gru: the GRU\'s state size', bounds='[1, inf)')
     max_slice_length: Optional[int] = common.option(
         None, '--torso gru: steps per training sequence (truncated backpropagation through '
@@ -219,7 +220,7 @@ class State(NamedTuple):
 # value targets, the A2C and PPO losses, minibatches.
 # ---------------------------------------------------------------------------
 
-masked_mean = common.masked_mean
+masked_mean = policies.masked_mean
 
 
 def make_estimator(name, gamma, margin, lambda_):
@@ -449,7 +450,7 @@ def resets(rollout):
 
 def sequence_memory(batch):
     """A minibatch's (GRU states at its sequences' first steps, resets) for
-    common.features_of; None for the memoryless torsos."""
+    policies.features_of; None for the memoryless torsos."""
     return (batch['memory'], batch['reset']) if 'memory' in batch else None
 
 
@@ -470,7 +471,7 @@ def with_memory(spec, data, replay, name):
 class Spec(NamedTuple):
     """What make_agent derives from the config: static, shared by every run."""
     config: Config
-    policy: common.PolicySpec  # env, observation and action shapes, networks
+    policy: policies.PolicySpec  # env, observation and action shapes, networks
     eval_tags: tuple  # ((temperature, horizon), ...) evaluated each epoch
     fresh_episodes: bool  # n_trajectories mode: each epoch plays fresh episodes
     n_envs: int  # envs per run (trajectories per epoch in that mode)
@@ -510,8 +511,8 @@ def value_scale(spec, hp):
 def value_net(spec, value_params, obs, memory=None):
     """The network's output, V / scale, for [..., *obs_shape] observations
     (with the recurrent torso, sequences [B, L, ...] and their `memory`)."""
-    features = common.features_of(spec.policy, value_params, obs, memory)
-    return common.network_head(value_params, features)[..., 0]
+    features = policies.features_of(spec.policy, value_params, obs, memory)
+    return policies.network_head(value_params, features)[..., 0]
 
 
 def recurrent_values(spec, value_params, rows):
@@ -520,32 +521,32 @@ def recurrent_values(spec, value_params, rows):
     GRU states; V(final_obs_t) steps the GRU once more from the state after
     step t (before its reset), V(last_obs) from the row's last state."""
     policy, net = spec.policy, value_params
-    sequence = lambda x: common.sequences(x, spec.slice_length)
-    after = common.features_of(policy, net, sequence(rows.obs),
+    sequence = lambda x: policies.sequences(x, spec.slice_length)
+    after = policies.features_of(policy, net, sequence(rows.obs),
                                (sequence(rows.memory['value'])[:, 0], sequence(resets(rows))))
     after = after.reshape(rows.reward.shape + (-1,))  # [R, T, H]: the state after each step
 
     def value_from(hidden, obs):  # one more GRU step, then the head
-        inputs = common.gru_inputs(net, common.observe(policy, obs), policy.obs_shape)
-        return common.network_head(net, common.gru_step(net['gru'], hidden, inputs))[..., 0]
+        inputs = policies.gru_inputs(net, policies.observe(policy, obs), policy.obs_shape)
+        return policies.network_head(net, policies.gru_step(net['gru'], hidden, inputs))[..., 0]
 
-    return (common.network_head(net, after)[..., 0], value_from(after, rows.final_obs),
+    return (policies.network_head(net, after)[..., 0], value_from(after, rows.final_obs),
             value_from(rows.last_memory['value'], rows.last_obs))
 
 
 def init(spec, key, hp):
     policy = spec.policy
     eval_key, key = jax.random.split(key)
-    params, obs, env_state, key = common.init_policy(policy, key, hp, spec.n_envs,
+    params, obs, env_state, key = policies.init_policy(policy, key, hp, spec.n_envs,
                                                      spec.fresh_episodes)
     zero = jnp.zeros((), jnp.int32)
     # A separate value network (Trax's n_shared_layers 0), its last layer
     # small as the policy's, so early targets are about the rewards' scale.
     value_key, key = jax.random.split(key)
-    value_params = common.init_network(value_key, policy.obs_shape, policy.hidden_sizes, 1,
+    value_params = policies.init_network(value_key, policy.obs_shape, policy.hidden_sizes, 1,
                                        policy.torso, policy.conv_channels, last_scale=0.01,
                                        gru_size=policy.gru_size)
-    memory = common.initial_memory(policy, ['policy', 'value'], spec.n_envs)
+    memory = policies.initial_memory(policy, ['policy', 'value'], spec.n_envs)
     slots = (spec.config.n_replay_epochs, spec.n_envs)
     rows = lambda shape, dtype: jnp.zeros(slots + (spec.steps,) + shape, dtype)
     obs_dtype = policy.obs_dtype
@@ -571,7 +572,7 @@ def collect(spec, hp, state):
     """One epoch of temperature-1 experience into its slot of `state.replay`."""
     nets = ({'policy': state.params['net'], 'value': state.value_params}
             if spec.policy.gru_size else {})
-    key, carry, rec = common.collect_rollout(spec.policy, state, spec.n_envs, spec.steps,
+    key, carry, rec = policies.collect_rollout(spec.policy, state, spec.n_envs, spec.steps,
                                              spec.fresh_episodes, final_obs=True, nets=nets)
     # An episode cut by the row's end in n_trajectories mode (only if the
     # env's own limit is longer) is truncated there.
@@ -585,7 +586,7 @@ def collect(spec, hp, state):
                       last_memory=carry[3])
     slot = state.epoch % spec.config.n_replay_epochs  # overwrites the oldest epoch's
     replay = jax.tree.map(lambda buffer, new: buffer.at[slot].set(new), state.replay, rollout)
-    state, metrics = common.finish_collect(state, key, carry, rec, spec.fresh_episodes)
+    state, metrics = policies.finish_collect(state, key, carry, rec, spec.fresh_episodes)
     return state._replace(replay=replay), metrics
 
 
@@ -680,7 +681,7 @@ def awr_metrics(weights, weight):
 
 def policy_objective(spec, params, batch, hp):
     """(the A2C, PPO or AWR loss minus the entropy bonus, metrics) on a minibatch."""
-    log_probs, entropy = common.log_prob_and_entropy(
+    log_probs, entropy = policies.log_prob_and_entropy(
         spec.policy, params, batch['obs'], batch['action'], sequence_memory(batch))
     adv, old_log_probs, weight = (batch[name] for name in ('adv', 'old_log_probs', 'weight'))
     if spec.config.normalize_advantages:  # per minibatch, as Trax's policy loss layer
@@ -729,7 +730,7 @@ def policy_chunks(spec, hp, state, key):
     # trajectory): the policy has not changed since it collected (PPO and A2C
     # replay one epoch, the latest; AWR does not use them).
     data['old_log_probs'] = (jnp.zeros_like(adv) if spec.config.policy_loss == 'awr' else
-                             jax.lax.stop_gradient(common.log_prob_and_entropy(
+                             jax.lax.stop_gradient(policies.log_prob_and_entropy(
                                  spec.policy, state.params, data['obs'], data['action'],
                                  sequence_memory(data))[0]))
     raw = {'metrics/advantage_mean': masked_mean(adv, weight),
@@ -767,14 +768,14 @@ def train(spec, hp, state):
 
 def evaluate(spec, hp, state):
     """Fresh episodes for each (temperature, horizon); never training data."""
-    return common.evaluate_policy(spec.policy, state, spec.eval_tags,
+    return policies.evaluate_policy(spec.policy, state, spec.eval_tags,
                                   spec.config.n_eval_episodes)
 
 
 def make_agent(config: Config) -> common.Agent:
     """Validate `config`, derive its Spec and build A2C's or PPO's per-run phases."""
     check_config(config)
-    policy = common.policy_spec(config)
+    policy = policies.policy_spec(config)
     max_steps = policy.max_steps
     fresh = bool(config.n_trajectories_per_epoch)
     n_envs = config.n_trajectories_per_epoch if fresh else config.n_envs

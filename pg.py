@@ -36,6 +36,7 @@ import jax.numpy as jnp
 import optax
 
 import common
+import policies
 
 
 POLICY_LOSSES = ('reinforce', 'a2c', 'ppo')  # a2c and ppo only to point to actor_critic.py
@@ -85,7 +86,7 @@ class Config:
         'auto', 'policy torso: mlp, conv (3x3 convs, ReLU, flatten), auto (conv for '
         '[height, width, channels] observations, mlp otherwise) or gru: auto\'s layers, '
         'then a GRU whose state carries through each episode, trained by backpropagation '
-        'through whole episodes (needs --batch-size 0)', choices=common.POLICY_TORSOS)
+        'through whole episodes (needs --batch-size 0)', choices=policies.TORSOS)
     gru_size: int = common.option(64, '--torso gru: the GRU\'s state size', bounds='[1, inf)')
     conv_channels: tuple[int, ...] = common.option(
         (16,), 'conv torso: channels of each 3x3 stride-1 conv (MinAtar paper: 16)',
@@ -186,7 +187,7 @@ def episode_returns(rewards, dones, valid, gamma):
     return common.monte_carlo(gamma, 0)(rewards, returns, zeros, ~valid, valid)
 
 
-masked_mean = common.masked_mean
+masked_mean = policies.masked_mean
 
 
 def advantages(returns, weight, normalize):
@@ -254,7 +255,7 @@ def sample_slices(key, weight, episode_length, batch_size):
 class Spec(NamedTuple):
     """What make_agent derives from the config: static, shared by every run."""
     config: Config
-    policy: common.PolicySpec  # env, observation and action shapes, networks
+    policy: policies.PolicySpec  # env, observation and action shapes, networks
     eval_tags: tuple  # ((temperature, horizon), ...) evaluated each epoch
     fresh_episodes: bool  # n_trajectories mode: each epoch plays fresh episodes
     n_envs: int  # envs per run (trajectories per epoch in that mode)
@@ -276,7 +277,7 @@ def optimizer(spec, hp):
 def init(spec, key, hp):
     policy, n = spec.policy, spec.batch_n
     eval_key, key = jax.random.split(key)
-    params, obs, env_state, key = common.init_policy(policy, key, hp, spec.n_envs,
+    params, obs, env_state, key = policies.init_policy(policy, key, hp, spec.n_envs,
                                                      spec.fresh_episodes)
     action_dtype = jnp.int32 if policy.kind == 'discrete' else jnp.float32
     batch = Batch(obs=jnp.zeros((n,) + policy.obs_shape, policy.obs_dtype),
@@ -293,7 +294,7 @@ def init(spec, key, hp):
     zero = jnp.zeros((), jnp.int32)
     return State(params=params, opt_state=optimizer(spec, hp).init(params), batch=batch,
                  tail=tail, env_state=env_state, obs=obs, episode_return=jnp.zeros(spec.n_envs),
-                 memory=common.initial_memory(policy, ['policy'], spec.n_envs), key=key, eval_key=eval_key, epoch=zero, train_step=zero, n_interactions=zero,
+                 memory=policies.initial_memory(policy, ['policy'], spec.n_envs), key=key, eval_key=eval_key, epoch=zero, train_step=zero, n_interactions=zero,
                  n_trajectories=zero)
 
 
@@ -320,7 +321,7 @@ def episodes_to_train(spec, tail, rec):
 
 def collect(spec, hp, state):
     """One epoch of temperature-1 experience into `state.batch`."""
-    key, carry, rec = common.collect_rollout(spec.policy, state, spec.n_envs, spec.steps,
+    key, carry, rec = policies.collect_rollout(spec.policy, state, spec.n_envs, spec.steps,
                                              spec.fresh_episodes)
     data, done, train_on, tail = episodes_to_train(spec, state.tail, rec)
     returns = episode_returns(data['reward'], done, data['valid'], hp['gamma'])
@@ -335,7 +336,7 @@ def collect(spec, hp, state):
                   # waiting tail's first step too (padding before it resets).
                   reset=(done | ~data['valid']).reshape(n)
                   if policy.gru_size else state.batch.reset)
-    state, metrics = common.finish_collect(state, key, carry, rec, spec.fresh_episodes)
+    state, metrics = policies.finish_collect(state, key, carry, rec, spec.fresh_episodes)
     return state._replace(batch=batch, tail=tail), metrics
 
 
@@ -344,10 +345,10 @@ def log_probs_of(spec, params, batch):
     over the batch's rows [n_envs, row length] whole, from its zero state."""
     policy = spec.policy
     if not policy.gru_size:
-        return common.log_prob_and_entropy(policy, params, batch.obs, batch.action)
+        return policies.log_prob_and_entropy(policy, params, batch.obs, batch.action)
     rows = lambda x: x.reshape((spec.n_envs, -1) + x.shape[1:])
     memory = (jnp.zeros((spec.n_envs, policy.gru_size)), rows(batch.reset))
-    return jax.tree.map(lambda x: x.reshape(-1), common.log_prob_and_entropy(
+    return jax.tree.map(lambda x: x.reshape(-1), policies.log_prob_and_entropy(
         policy, params, rows(batch.obs), rows(batch.action), memory))
 
 
@@ -399,14 +400,14 @@ def train(spec, hp, state):
 
 def evaluate(spec, hp, state):
     """Fresh episodes for each (temperature, horizon); never training data."""
-    return common.evaluate_policy(spec.policy, state, spec.eval_tags,
+    return policies.evaluate_policy(spec.policy, state, spec.eval_tags,
                                   spec.config.n_eval_episodes)
 
 
 def make_agent(config: Config) -> common.Agent:
     """Validate `config`, derive its Spec and build REINFORCE's per-run phases."""
     check_config(config)
-    policy = common.policy_spec(config)
+    policy = policies.policy_spec(config)
     max_steps = policy.max_steps
     fresh = bool(config.n_trajectories_per_epoch)
     if fresh:

@@ -23,6 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import actor_critic as ac  # noqa: E402
 import common  # noqa: E402
+import policies  # noqa: E402
 from harness import flags  # noqa: E402
 import probe_envs  # noqa: E402
 # The probe envs (registered on import) and the phase driver are test_pg's.
@@ -289,7 +290,7 @@ def test_a2c_loss_value_and_gradient_by_hand():
     adv = np.array([1.5, -0.5, 3.0, 0.2, -2.0, 0.7, 9.0, -1.0], np.float32)
 
     def loss(params):
-        log_probs = common.categorical_log_prob(common.mlp(params, x), jnp.asarray(actions))
+        log_probs = policies.categorical_log_prob(common.mlp(params, x), jnp.asarray(actions))
         return ac.a2c_loss(log_probs, jnp.asarray(adv), jnp.asarray(weight))
 
     probs = softmax_np(x @ np.asarray(params[0]['w']) + np.asarray(params[0]['b']))
@@ -317,7 +318,7 @@ def test_ppo_loss_value_and_gradient_by_hand_and_clipping_zeroes_it():
     old_log_probs = np.log(p_taken / ratio)
 
     def loss(params):
-        log_probs = common.categorical_log_prob(common.mlp(params, x), jnp.asarray(actions))
+        log_probs = policies.categorical_log_prob(common.mlp(params, x), jnp.asarray(actions))
         return ac.ppo_loss(log_probs, jnp.asarray(old_log_probs), jnp.asarray(adv),
                            jnp.asarray(weight), eps)
 
@@ -352,7 +353,7 @@ def test_awr_loss_value_and_gradient_by_hand():
     np.testing.assert_allclose(ac.awr_weights(jnp.asarray(adv), beta, w_max), by_hand, rtol=1e-5)
 
     def loss(params, adv):
-        log_probs = common.categorical_log_prob(common.mlp(params, x), jnp.asarray(actions))
+        log_probs = policies.categorical_log_prob(common.mlp(params, x), jnp.asarray(actions))
         return ac.awr_loss(log_probs, adv, jnp.asarray(weight), beta, w_max)
 
     probs = softmax_np(x @ np.asarray(params[0]['w']) + np.asarray(params[0]['b']))
@@ -604,7 +605,7 @@ def test_sde_weights_are_held_for_sde_sample_freq_steps(freq, blocks):
     agent = ac.make_agent(config)
     hp = single_hp(config)
     state, _ = agent.collect(hp, agent.init(jax.random.PRNGKey(0), hp))
-    mean, _ = common.policy(agent.spec.policy, state.params, jnp.ones(2))
+    mean, _ = policies.policy(agent.spec.policy, state.params, jnp.ones(2))
     noise = np.asarray(state.replay.action[0, ..., 0] - mean[0])  # [env, step]
     firsts = []
     for start, stop in blocks:

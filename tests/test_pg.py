@@ -22,6 +22,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import common  # noqa: E402
+import policies  # noqa: E402
 from harness import rundir  # noqa: E402
 import pg  # noqa: E402
 import probe_envs  # noqa: E402
@@ -270,7 +271,7 @@ class PiecesTest(chex.TestCase):
 
         def loss(params):
             adv, _ = pg.advantages(jnp.asarray(returns), jnp.asarray(weight), normalize=False)
-            log_probs = common.categorical_log_prob(common.mlp(params, x), jnp.asarray(actions))
+            log_probs = policies.categorical_log_prob(common.mlp(params, x), jnp.asarray(actions))
             return pg.reinforce_loss(log_probs, adv, jnp.asarray(weight))
 
         grads = self.variant(jax.grad(loss))(params)[0]
@@ -289,13 +290,13 @@ class PiecesTest(chex.TestCase):
         logits = jnp.asarray([[2.0, 0.5, -1.0], [0.0, 0.0, 3.0]])
         probs = np.exp(logits) / np.exp(logits).sum(1, keepdims=True)
         np.testing.assert_allclose(
-            self.variant(common.categorical_log_prob)(logits, jnp.asarray([1, 2])),
+            self.variant(policies.categorical_log_prob)(logits, jnp.asarray([1, 2])),
             np.log([probs[0, 1], probs[1, 2]]), rtol=1e-6)
-        np.testing.assert_allclose(self.variant(common.categorical_entropy)(logits),
+        np.testing.assert_allclose(self.variant(policies.categorical_entropy)(logits),
                                    -(probs * np.log(probs)).sum(1), rtol=1e-6)
         noise = jax.random.gumbel(jax.random.PRNGKey(0), (40000, 3))
         many = jnp.broadcast_to(logits[0], noise.shape)  # noise has the logits' shape
-        sample = self.variant(common.categorical_sample, static_argnums=2)
+        sample = self.variant(policies.categorical_sample, static_argnums=2)
         # T = 0: argmax, whatever the noise.
         np.testing.assert_array_equal(sample(noise, many, 0.0), 0)
         # T > 0: the frequencies of softmax(logits / T).
@@ -314,13 +315,13 @@ class PiecesTest(chex.TestCase):
         std = np.exp(np.asarray(log_std))
         expected = np.sum(-0.5 * ((np.asarray(action) - mean) / std) ** 2 - np.log(std)
                           - 0.5 * np.log(2 * np.pi))
-        np.testing.assert_allclose(self.variant(common.gaussian_log_prob)(mean, log_std, action),
+        np.testing.assert_allclose(self.variant(policies.gaussian_log_prob)(mean, log_std, action),
                                    expected, rtol=1e-6)
-        np.testing.assert_allclose(self.variant(common.gaussian_entropy)(log_std),
+        np.testing.assert_allclose(self.variant(policies.gaussian_entropy)(log_std),
                                    np.sum(0.5 * np.log(2 * np.pi * np.e * std ** 2)), rtol=1e-6)
         noise = jax.random.normal(jax.random.PRNGKey(0), (40000, 2))
         means, log_stds = (jnp.broadcast_to(x, noise.shape) for x in (mean, log_std))
-        sample = self.variant(common.gaussian_sample, static_argnums=3)
+        sample = self.variant(policies.gaussian_sample, static_argnums=3)
         np.testing.assert_array_equal(sample(noise, means, log_stds, 0.0), means)
         for temperature in (1.0, 0.5):
             samples = np.asarray(sample(noise, means, log_stds, temperature))
@@ -398,7 +399,7 @@ class ContractTest(chex.TestCase):
     @chex.variants(with_jit=True, without_jit=True)
     def test_distributions_name_the_wrong_argument(self):
         logits, action = jnp.zeros((6, 3)), jnp.zeros(6, jnp.int32)
-        log_prob = self.variant(common.categorical_log_prob)
+        log_prob = self.variant(policies.categorical_log_prob)
         log_prob(logits, action)
         with self.assertRaisesRegex(AssertionError,
                                     r'\[argument `action` of categorical_log_prob\]'):
@@ -407,17 +408,17 @@ class ContractTest(chex.TestCase):
             log_prob(logits, action.astype(jnp.float32))
         with self.assertRaisesRegex(AssertionError,
                                     r'\[argument `logits` of categorical_entropy\]'):
-            self.variant(common.categorical_entropy)(jnp.zeros(()))
+            self.variant(policies.categorical_entropy)(jnp.zeros(()))
         with self.assertRaisesRegex(AssertionError, r'assert_equal_shape.*categorical_sample'):
-            self.variant(common.categorical_sample, static_argnums=2)(logits[:, :2], logits, 1.0)
+            self.variant(policies.categorical_sample, static_argnums=2)(logits[:, :2], logits, 1.0)
         mean = jnp.zeros((6, 2))
         with self.assertRaisesRegex(AssertionError, r'assert_equal_shape.*gaussian_log_prob'):
-            self.variant(common.gaussian_log_prob)(mean, mean, mean[:, 0])  # [N] for [N, 1 or 2]
+            self.variant(policies.gaussian_log_prob)(mean, mean, mean[:, 0])  # [N] for [N, 1 or 2]
         with self.assertRaisesRegex(AssertionError, r'assert_equal_shape.*gaussian_sample'):
-            self.variant(common.gaussian_sample, static_argnums=3)(mean[:1], mean, mean, 1.0)
+            self.variant(policies.gaussian_sample, static_argnums=3)(mean[:1], mean, mean, 1.0)
         with self.assertRaisesRegex(AssertionError,
                                     r'\[argument `log_std` of gaussian_entropy\]'):
-            self.variant(common.gaussian_entropy)(jnp.zeros(()))
+            self.variant(policies.gaussian_entropy)(jnp.zeros(()))
 
     @chex.variants(with_jit=True, without_jit=True)
     def test_advantages_and_loss_name_the_wrong_argument(self):
@@ -439,12 +440,12 @@ class ContractTest(chex.TestCase):
         for function, inputs in [
                 (pg.episode_returns, (jnp.ones((rows, length)), jnp.zeros((rows, length), bool),
                                       jnp.ones((rows, length), bool), 0.9)),
-                (common.categorical_log_prob, (logits, jnp.zeros(6, jnp.int32))),
-                (common.categorical_entropy, (logits,)),
-                (lambda *a: common.categorical_sample(*a, 1.0), (logits, logits)),
-                (common.gaussian_log_prob, (logits, logits, logits)),
-                (common.gaussian_entropy, (logits,)),
-                (lambda *a: common.gaussian_sample(*a, 1.0), (logits, logits, logits)),
+                (policies.categorical_log_prob, (logits, jnp.zeros(6, jnp.int32))),
+                (policies.categorical_entropy, (logits,)),
+                (lambda *a: policies.categorical_sample(*a, 1.0), (logits, logits)),
+                (policies.gaussian_log_prob, (logits, logits, logits)),
+                (policies.gaussian_entropy, (logits,)),
+                (lambda *a: policies.gaussian_sample(*a, 1.0), (logits, logits, logits)),
                 (lambda *a: pg.advantages(*a, True), (x, x)),
                 (pg.reinforce_loss, (x, x, x))]:
             assert_contracts_trace_to_nothing(function, *inputs)
@@ -752,37 +753,37 @@ def test_sde_policy_is_the_gaussian_of_features_times_random_weights():
     last = params['net'][-1]
     mean = features @ np.asarray(last['w'], np.float64) + np.asarray(last['b'])
     variance = features ** 2 @ np.exp(2 * np.asarray(params['log_std'], np.float64))
-    got_mean, got_log_std = common.policy(agent.spec.policy, params, obs)
+    got_mean, got_log_std = policies.policy(agent.spec.policy, params, obs)
     np.testing.assert_allclose(got_mean, mean, rtol=1e-5, atol=1e-7)
-    np.testing.assert_allclose(np.exp(2 * got_log_std), variance + common.SDE_VARIANCE_FLOOR,
+    np.testing.assert_allclose(np.exp(2 * got_log_std), variance + policies.SDE_VARIANCE_FLOOR,
                                rtol=1e-5)
     z = jax.random.normal(keys[2], (4, 3, 1))
-    action, env_action = common.act(agent.spec.policy, z, params, obs, 1.0)
+    action, env_action = policies.act(agent.spec.policy, z, params, obs, 1.0)
     expected = mean + np.einsum('nf,nfa->na', features,
                                 np.exp(np.asarray(params['log_std'], np.float64)) * z)
     np.testing.assert_allclose(action, expected, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(env_action, np.clip(expected, -1, 1), rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(common.act(agent.spec.policy, z, params, obs, 0.0)[0], mean, rtol=1e-5, atol=1e-7)
-    grads = jax.grad(lambda p: common.policy(agent.spec.policy, p, obs)[1].sum())(params)
+    np.testing.assert_allclose(policies.act(agent.spec.policy, z, params, obs, 0.0)[0], mean, rtol=1e-5, atol=1e-7)
+    grads = jax.grad(lambda p: policies.policy(agent.spec.policy, p, obs)[1].sum())(params)
     assert all(float(jnp.abs(g).max()) == 0 for g in jax.tree.leaves(grads['net']))
     assert float(jnp.abs(grads['log_std']).max()) > 0
 
 
 def test_observation_bounds_and_normalisation():
     env, env_params = common.make_env('MountainCarContinuous-v0')
-    centre, half = common.observation_bounds(env.observation_space(env_params), (2,))
+    centre, half = policies.observation_bounds(env.observation_space(env_params), (2,))
     np.testing.assert_allclose(centre, [-0.3, 0.0], atol=1e-6)
     np.testing.assert_allclose(half, [0.9, 0.07], rtol=1e-6)
     # CartPole's velocities are unbounded (float32's largest value): left as they are.
     env, env_params = common.make_env('CartPole-v1')
-    centre, half = common.observation_bounds(env.observation_space(env_params), (4,))
+    centre, half = policies.observation_bounds(env.observation_space(env_params), (4,))
     np.testing.assert_allclose(centre, np.zeros(4))
     np.testing.assert_allclose(half, [4.8, 1.0, 0.41887903, 1.0], rtol=1e-6)
     agent = pg.make_agent(pg.Config(env='MountainCarContinuous-v0', normalize_observations=True))
-    np.testing.assert_allclose(common.observe(agent.spec.policy, jnp.array([[-1.2, -0.07], [0.6, 0.07]])),
+    np.testing.assert_allclose(policies.observe(agent.spec.policy, jnp.array([[-1.2, -0.07], [0.6, 0.07]])),
                                [[-1, -1], [1, 1]], atol=1e-6)
     plain = pg.make_agent(pg.Config(env='MountainCarContinuous-v0'))
-    np.testing.assert_array_equal(common.observe(plain.spec.policy, jnp.array([0.6, 0.07])),
+    np.testing.assert_array_equal(policies.observe(plain.spec.policy, jnp.array([0.6, 0.07])),
                                   np.float32([0.6, 0.07]))
 
 
@@ -799,5 +800,5 @@ def test_policy_learns_the_image_probe_through_the_conv_torso():
     cells = jnp.arange(25)
     obs = jnp.concatenate([jax.vmap(probe_envs.image_observation, (0, None))(cells, 1.0),
                            jax.vmap(probe_envs.image_observation, (0, None))(cells, -1.0)])
-    logits = np.asarray(common.policy(agent.spec.policy, first_run(state.params), obs))
+    logits = np.asarray(policies.policy(agent.spec.policy, first_run(state.params), obs))
     np.testing.assert_array_equal(np.argmax(logits, -1), [0] * 25 + [1] * 25)

@@ -18,6 +18,7 @@ import jax.numpy as jnp  # noqa: E402
 
 import actor_critic as ac  # noqa: E402
 import common  # noqa: E402
+import policies  # noqa: E402
 import dqn  # noqa: E402
 import pg  # noqa: E402
 import probe_envs  # noqa: E402
@@ -50,7 +51,7 @@ def numpy_gru(params, obs, hidden, reset):
 
 
 def random_gru(key, obs_size=3, hidden=(5,), size=4):
-    params = common.init_network(key, (obs_size,), hidden, 2, 'gru', gru_size=size)
+    params = policies.init_network(key, (obs_size,), hidden, 2, 'gru', gru_size=size)
     # Non-zero biases, so each gate's bias is exercised.
     leaves, tree = jax.tree.flatten(params)
     keys = jax.random.split(jax.random.PRNGKey(7), len(leaves))
@@ -63,7 +64,7 @@ def test_gru_sequence_is_the_gru_equations_with_resets():
     obs = jax.random.normal(jax.random.PRNGKey(1), (2, 6, 3))
     hidden = jax.random.normal(jax.random.PRNGKey(2), (2, 4))
     reset = jnp.asarray([[0, 0, 1, 0, 0, 0], [0, 0, 0, 0, 0, 1]], bool)
-    outputs, last = common.recurrent_features(params, obs, (3,), hidden, reset)
+    outputs, last = policies.recurrent_features(params, obs, (3,), hidden, reset)
     for row in range(2):
         expected, expected_last = numpy_gru(params, np.asarray(obs[row]),
                                             np.asarray(hidden[row], np.float64),
@@ -72,7 +73,7 @@ def test_gru_sequence_is_the_gru_equations_with_resets():
         np.testing.assert_allclose(last[row], expected_last, rtol=1e-5, atol=1e-6)
     np.testing.assert_array_equal(last[1], 0.0)  # its last step ended an episode
     # After the reset, row 0 is what a sequence from the zero state gives.
-    fresh, _ = common.recurrent_features(params, obs[:1, 3:], (3,), jnp.zeros((1, 4)),
+    fresh, _ = policies.recurrent_features(params, obs[:1, 3:], (3,), jnp.zeros((1, 4)),
                                          reset[:1, 3:])
     np.testing.assert_allclose(outputs[0, 3:], fresh[0], rtol=1e-6, atol=1e-7)
     assert not np.allclose(outputs[0, :3], 0.0)
@@ -127,9 +128,9 @@ def test_the_cell_over_a_stored_sequence_equals_the_rollouts_stepping(name):
     spec, replay = agent.spec, state.replay
     net = state.params['net'] if name == 'policy' else state.value_params
     length = spec.slice_length
-    sequence = lambda x: common.sequences(x[0], length)
+    sequence = lambda x: policies.sequences(x[0], length)
     reset = ac.resets(replay)
-    outputs = common.features_of(spec.policy, net, sequence(replay.obs),
+    outputs = policies.features_of(spec.policy, net, sequence(replay.obs),
                                  (sequence(replay.memory[name])[:, 0], sequence(reset)))
     outputs = np.asarray(outputs).reshape(replay.memory[name][0].shape)
     stored = np.asarray(replay.memory[name][0])
