@@ -32,7 +32,10 @@ docs/actor_critic.md.
 """
 
 if __name__ == '__main__':  # a Ctrl-C during the imports: held for main's one line
-    __import__('harness.early_signals')
+    try:
+        __import__('harness.early_signals')
+    except ImportError:  # copied without harness/: common.plain_main runs it
+        pass
 
 import dataclasses
 import functools
@@ -169,9 +172,6 @@ class Config:
         None, 'epochs between evaluations, and always the last (default: epochs // 20, '
         'about 20 a run); evaluation has its own PRNG stream, so this never changes training',
         bounds='[1, inf)')
-    checkpoint_every: Optional[int] = common.option(
-        None, 'epochs between checkpoints, and always the last (default: one a minute of '
-        'wall time, written by a background thread)', bounds='[1, inf)')
 
 
 class Rollout(NamedTuple):
@@ -772,10 +772,17 @@ def evaluate(spec, hp, state):
                                   spec.config.n_eval_episodes)
 
 
-def make_agent(config: Config) -> common.Agent:
-    """Validate `config`, derive its Spec and build A2C's or PPO's per-run phases."""
-    check_config(config)
+def make_agent(config: Config, given=None) -> common.Agent:
+    """Check `config` as the command line does (common.check_grid, then the
+    fields that cannot act: common.check_inert, `given` its fields set by a
+    command line), derive its Spec and build A2C's, PPO's or AWR's phases."""
+    common.check_grid(config, {}, check_runs)
     policy = policies.policy_spec(config)
+    inert = policies.inert_fields(config, policy)
+    if not policy.gru_size:
+        inert['max_slice_length'] = 'acts with --torso gru only'
+    common.check_inert(config, {**common.shared_inert(config, policies.feature_torso(
+        policy.torso, policy.obs_shape), policy.env_params), **inert}, given)
     max_steps = policy.max_steps
     fresh = bool(config.n_trajectories_per_epoch)
     n_envs = config.n_trajectories_per_epoch if fresh else config.n_envs
@@ -798,9 +805,9 @@ def make_agent(config: Config) -> common.Agent:
         name='actor_critic', init=functools.partial(init, spec),
         collect=functools.partial(collect, spec), train=functools.partial(train, spec),
         evaluate=functools.partial(evaluate, spec), eval_tags=list(spec.eval_tags),
-        max_steps=max_steps, spec=spec,
-        memory_flags='--num-seeds (or the grid), --n-trajectories-per-epoch '
-        'or --n-interactions-per-epoch, --max-steps')
+        max_steps=max_steps, spec=spec, config=config, check_runs=check_runs,
+        obs_shape=policy.obs_shape, memory_flags='--num-seeds (or the grid), '
+        '--n-trajectories-per-epoch or --n-interactions-per-epoch, --max-steps')
 
 
 # Per-env settings: the fields that differ from the defaults above (PPO on
@@ -898,9 +905,9 @@ def env_settings(policy_loss, env):
     return {name: {**own, **per_env.get(name, {})} for name in dict.fromkeys([env, *per_env])}
 
 
-def check_config(config: Config):
-    """Each field's declared constraint, then the rules that tie fields together."""
-    common.check_fields(config)
+def check_runs(config: Config, runs):
+    """The rules that tie fields together (each field's own constraint is
+    common.check_fields'), on every run's values of the swept ones."""
     error = common.UsageError
     if (config.n_trajectories_per_epoch is None) == (config.n_interactions_per_epoch is None):
         raise error('exactly one of --n-trajectories-per-epoch or --n-interactions-per-epoch '
@@ -911,7 +918,7 @@ def check_config(config: Config):
     if config.train_steps_per_epoch % config.evals_per_epoch:
         raise error(f'--train-steps-per-epoch ({config.train_steps_per_epoch}) must be '
                     f'divisible by --evals-per-epoch ({config.evals_per_epoch})')
-    common.multifactor(config.lr_schedule)  # validates the factor names
+    common.schedule_factors(config.lr_schedule)
     estimator = config.advantage_estimator
     if estimator in ('td_k', 'td_lambda', 'gae') and config.added_policy_slice_length < 1:
         raise error(f'--advantage-estimator {estimator} needs --added-policy-slice-length >= 1 '
@@ -923,15 +930,13 @@ def check_config(config: Config):
     if config.value_train_steps_per_epoch % config.value_evals_per_epoch:
         raise error(f'--value-train-steps-per-epoch ({config.value_train_steps_per_epoch}) must '
                     f'be divisible by --value-evals-per-epoch ({config.value_evals_per_epoch})')
+    check_mode_fields(config, runs)
 
 
 def check_slices(config, policy, steps):
     """--torso gru's sequences tile the rows and the minibatches."""
     error = common.UsageError
     if not policy.gru_size:
-        for name in ('gru_size', 'max_slice_length'):
-            if getattr(config, name) != getattr(Config, name):
-                raise error(f'--{name.replace("_", "-")} acts with --torso gru only')
         return
     length = config.max_slice_length or steps
     if steps % length:
@@ -952,8 +957,8 @@ MODE_ONLY = {'epsilon': ('policy_loss', ('ppo',)), 'beta': ('policy_loss', ('awr
              'lambda_': ('advantage_estimator', ('td_lambda', 'gae'))}
 
 
-def check_hyperparameters(config, runs):
-    """Cross-field rules on swept values (each value's range: common.check_fields)."""
+def check_mode_fields(config, runs):
+    """Swept values that cannot act in this mode, and gamma 1 with scaled values."""
     defaults = {field.name: field.default for field in dataclasses.fields(Config)}
     for run in runs:
         if config.scale_value_targets and run['gamma'] == 1:
@@ -969,17 +974,22 @@ def check_hyperparameters(config, runs):
                                         f'only, not {mode}')
 
 
+def settings_table(typed):
+    """The per-env settings for the flags typed: the loss asked for picks the table."""
+    return env_settings(typed.get('policy_loss', Config.policy_loss),
+                        typed.get('env', Config.env))
+
+
 def main(argv=None):
-    # The command line; `import actor_critic` alone does not need it.
-    from harness import cli, flags
-    argv = sys.argv[1:] if argv is None else list(argv)
-    # The loss asked for picks the settings table (AWR's or PPO's): read
-    # --policy-loss and --env first, with the same parser (and its errors).
-    asked, _ = flags.build_parser(Config, 'actor_critic.py', '').parse_known_args(
-        [arg for arg in argv if arg not in ('-h', '--help')])
-    return cli.main(Config, make_agent, check_hyperparameters, 'actor_critic.py',
-                    __doc__.split('\n\n')[0], argv,
-                    env_settings=env_settings(asked.policy_loss, asked.env),
+    """The full command line (harness/), or without it common.plain_main."""
+    try:  # `import actor_critic` alone needs neither
+        from harness import cli
+    except ModuleNotFoundError as error:
+        if error.name != 'harness':
+            raise
+        return common.plain_main(Config, make_agent, settings_table, argv, 'policy_loss')
+    return cli.main(Config, make_agent, check_runs, 'actor_critic.py',
+                    __doc__.split('\n\n')[0], argv, env_settings=settings_table,
                     settings_mode_field='policy_loss')
 
 

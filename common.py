@@ -12,12 +12,15 @@ Importing this file compiles nothing.
 """
 
 import dataclasses
+import decimal
 import functools
 import importlib
 import itertools
+import json
 import math
 import os
 import sys
+import time
 import types
 import typing
 
@@ -478,6 +481,19 @@ SCHEDULE_FACTORS = ('constant', 'linear_warmup', 'rsqrt_decay', 'decay_every',
                     'linear_decay')
 
 
+def schedule_factors(factors):
+    """The factor names of a multifactor string, each one checked."""
+    names = [name.strip() for name in factors.split('*') if name.strip()]
+    if not names:
+        raise UsageError(f'--lr-schedule {factors!r} names no factor '
+                         "(e.g. 'constant' or 'constant * linear_decay')")
+    for name in names:
+        if name not in SCHEDULE_FACTORS:
+            raise UsageError(f'unknown schedule factor {name!r}; allowed: '
+                             + ', '.join(SCHEDULE_FACTORS))
+    return names
+
+
 def multifactor(factors='constant * linear_warmup * rsqrt_decay', constant=0.1,
                 warmup_steps=400, decay_factor=0.5, steps_per_decay=20000,
                 minimum=0.0, total_steps=1):
@@ -487,11 +503,7 @@ def multifactor(factors='constant * linear_warmup * rsqrt_decay', constant=0.1,
     because annealing the learning rate makes the final policy stable. The
     result is an optax schedule (any callable count -> value is one).
     """
-    names = [name.strip() for name in factors.split('*') if name.strip()]
-    for name in names:
-        if name not in SCHEDULE_FACTORS:
-            raise UsageError(f'unknown schedule factor {name!r}; allowed: '
-                             + ', '.join(SCHEDULE_FACTORS))
+    names = schedule_factors(factors)
 
     def schedule(step):
         step = jnp.asarray(step, jnp.float32)
@@ -514,7 +526,9 @@ def multifactor(factors='constant * linear_warmup * rsqrt_decay', constant=0.1,
 
 # ---------------------------------------------------------------------------
 # Config fields: each algorithm's Config is a frozen dataclass whose fields
-# carry their help line and constraint (the harness makes them flags).
+# carry their help line and constraint. check_grid applies them, and the
+# algorithm's cross-field rules, for every caller: the harness, plain_main
+# and Python alike, so all refuse the same values with the same message.
 # ---------------------------------------------------------------------------
 
 
@@ -523,10 +537,9 @@ def option(default, help, sweep=False, bounds=None, choices=None, aliases=()):
 
     `sweep`: the flag takes a comma list (a grid over runs). `bounds`: an
     interval such as '[1, inf)' or '(0, 1]' that every value must lie in (each
-    tuple entry, each sweep value); an int field without bounds still must fit
-    int32. Every float must be finite, unless its bounds close on inf ('[0,
-    inf]'). `choices`: the allowed strings. `check_fields` enforces them all.
-    `aliases`: other flag names for the field (Trax's name, where ours differs).
+    tuple entry, each sweep value); an int must fit int32 anyway, and a float
+    must be finite unless its bounds close on inf ('[0, inf]'). `choices`:
+    the allowed strings. `aliases`: other flag names (Trax's, where ours differ).
     """
     if bounds is not None:
         Bounds.parse(bounds)  # a malformed interval fails at import, not at run time
@@ -568,9 +581,23 @@ class Bounds:
                 f'{number(self.high)}{"]" if self.high_closed else ")"}')
 
 
-def _field_kinds(config_cls):
-    hints = typing.get_type_hints(config_cls)
-    return {field.name: _base_type(hints[field.name]) for field in dataclasses.fields(config_cls)}
+def flag(name):
+    """A field's flag: kebab-case, a keyword's trailing '_' dropped (--lambda)."""
+    return '--' + name.rstrip('_').replace('_', '-')
+
+
+def field_kinds(config_cls):
+    """{field: (element type, is_tuple, optional)}, read off the annotations."""
+    kinds = {}
+    for name, annotation in typing.get_type_hints(config_cls).items():
+        args = typing.get_args(annotation)
+        optional = type(None) in args  # Optional[X] / X | None
+        if optional:
+            annotation = next(a for a in args if a is not type(None))
+        is_tuple = typing.get_origin(annotation) is tuple
+        kinds[name] = (typing.get_args(annotation)[0] if is_tuple else annotation, is_tuple,
+                       optional)
+    return kinds
 
 
 def constraint_text(field, kind):
@@ -582,8 +609,32 @@ def constraint_text(field, kind):
     return 'finite' if kind is float else ''
 
 
-def _value_error(field, kind, value):
-    """Why one value breaks the field's constraint, or None if it is fine."""
+def _is(kind, value):
+    """Is `value` of a field's element type (an int passes for a float)?"""
+    if kind is bool or isinstance(value, (bool, np.bool_)):
+        return kind is bool and isinstance(value, (bool, np.bool_))
+    numbers = {int: (int, np.integer), float: (int, float, np.integer, np.floating)}
+    return isinstance(value, numbers.get(kind, kind))
+
+
+def _value_error(field, kinds, value):
+    """Why one value (of the config, or of a sweep) breaks the field's type or
+    constraint, or None if it is fine."""
+    kind, is_tuple, optional = kinds
+    if value is None:
+        return None if optional else 'must be set'
+    if is_tuple and not (isinstance(value, tuple) and all(_is(kind, v) for v in value)):
+        return f'must be a tuple of {kind.__name__}'
+    if not is_tuple and not _is(kind, value):
+        return f'must be {kind.__name__}'
+    for entry in (value if is_tuple else (value,)):
+        why = _entry_error(field, kind, entry)
+        if why:
+            return ('entries ' if is_tuple else '') + why
+    return None
+
+
+def _entry_error(field, kind, value):
     choices, bounds = field.metadata.get('choices'), field.metadata.get('bounds')
     if choices and value not in choices:
         return f'must be {constraint_text(field, kind)}'
@@ -602,22 +653,29 @@ def _value_error(field, kind, value):
 
 
 def check_fields(config, grid=None):
-    """Every field's declared constraint, on every value: the config's, each
-    entry of a tuple and each value of a sweep list. Raises UsageError naming
-    the flag. Cross-field rules stay in each script's check_config."""
-    kinds = _field_kinds(type(config))
+    """Every field's type and declared constraint, on every value: the
+    config's, each entry of a tuple and each value of `grid` ({sweepable
+    field: [values]}). Raises UsageError naming the flag."""
+    check_grid_fields(config, grid)
+    kinds = field_kinds(type(config))
     for field in dataclasses.fields(config):
-        kind, is_tuple, _ = kinds[field.name]
-        values = (grid or {}).get(field.name, [getattr(config, field.name)])
-        for value in values:
-            if value is None:  # an Optional field left unset
-                continue
-            for entry in (value if is_tuple else (value,)):
-                why = _value_error(field, kind, entry)
-                if why:
-                    what = 'entries ' if is_tuple else ''
-                    raise UsageError(f'--{field.name.rstrip("_").replace("_", "-")} {what}{why}, got '
-                                     f'{_show(value)}')
+        for value in (grid or {}).get(field.name, [getattr(config, field.name)]):
+            why = _value_error(field, kinds[field.name], value)
+            if why:
+                raise UsageError(f'{flag(field.name)} {why}, got {_show(value)}')
+
+
+def check_grid_fields(config, grid):
+    if not isinstance(grid or {}, dict):
+        raise UsageError(f'grid must be a dict {{field: [values]}}, got {grid!r}')
+    unknown = sorted(set(grid or {}) - set(sweep_fields(config)))
+    if unknown:
+        raise UsageError(f'grid fields {unknown} are not sweepable; sweepable: '
+                         + ', '.join(sweep_fields(config)))
+    for name, values in (grid or {}).items():
+        if not isinstance(values, (list, tuple)) or not values:
+            raise UsageError(f'grid[{name!r}] must be a non-empty list of values, '
+                             f'got {values!r}')
 
 
 def _show(value):
@@ -627,17 +685,97 @@ def _show(value):
         value, str) else str(value)
 
 
-def _base_type(annotation):
-    """(element type, is_tuple, optional) of a field annotation."""
-    optional = False
-    args = typing.get_args(annotation)
-    if type(None) in args:  # Optional[X] / X | None
-        optional = True
-        annotation = next(a for a in args if a is not type(None))
-        args = typing.get_args(annotation)
-    if typing.get_origin(annotation) is tuple:
-        return args[0], True, optional
-    return annotation, False, optional
+def as_float32(value):
+    with np.errstate(over='ignore', under='ignore'):
+        return float(np.float32(value))
+
+
+def float32_values(config, grid, names):
+    """(config, grid) with the float fields in `names` as float32 holds them
+    (each tuple entry and sweep value): the values the compiled program sees."""
+    kinds = field_kinds(type(config))
+
+    def cast(name, value):
+        if value is None or kinds[name][0] is not float:
+            return value
+        return tuple(map(as_float32, value)) if kinds[name][1] else as_float32(value)
+    grid = {name: [cast(name, value) for value in values] if name in names else values
+            for name, values in (grid or {}).items()}
+    return dataclasses.replace(config, **{name: cast(name, getattr(config, name))
+                                          for name in names}), grid
+
+
+def check_grid(config, grid, check_runs):
+    """What the command line checks before compiling, for every caller: each
+    field's type and constraint (check_fields), then the algorithm's
+    cross-field rules on every run (`check_runs(config, runs)`); both again
+    on the values as float32 holds them, which may round onto a bound or out
+    of range (--gamma 0.99999999 is 1, --lr 1e300 inf, 1e-50 0): refused,
+    naming what the value becomes."""
+    def check(config, grid):
+        check_fields(config, grid)
+        check_runs(config, expand_runs(config, grid, 0, 1))
+    check(config, grid)
+    kinds = field_kinds(type(config))
+    floats = [name for name, (kind, _, _) in kinds.items() if kind is float]
+    try:
+        check(*float32_values(config, grid, floats))
+    except UsageError as error:
+        def moved(name):  # each value given for the field that float32 visibly moves
+            values = (grid or {}).get(name, [getattr(config, name)])
+            entries = [e for v in values if v is not None for e in (v if kinds[name][1] else (v,))]
+            return [(e, as_float32(e)) for e in entries if float(f'{as_float32(e):.7g}') != e]
+
+        def fails_alone(name):
+            try:
+                check(*float32_values(config, grid, [name]))
+            except UsageError:
+                return True
+            return False
+        culprits = [n for n in floats if moved(n) and fails_alone(n)] or \
+            [n for n in floats if moved(n)]
+        said = ', '.join(f'{flag(name)} {entry!r} is {value:g}'
+                         for name in culprits for entry, value in moved(name))
+        raise UsageError(f'{error} (in float32, the precision the program computes in: '
+                         f'{said})') from None
+
+
+def check_inert(config, inert, given=None):
+    """Refuse a field that cannot act (`inert`: {field: why}) when it is set
+    away from its default: it would be saved and bind a resume while changing
+    nothing. `given`: the fields a command line set, {field: None if typed,
+    else where it came from (an env's settings)}; None (Python): every field."""
+    defaults = {field.name: field.default for field in dataclasses.fields(config)}
+    for name, why in inert.items():
+        if (given is None or name in given) and getattr(config, name) != defaults[name]:
+            source = (given or {}).get(name) if isinstance(given, dict) else None
+            raise UsageError(f'{flag(name)} {why}' + (
+                f' (it came from {source}: give {flag(name)} {_show(defaults[name])} to '
+                'override it)' if source else ''))
+
+
+def shared_inert(config, torso, env_params):
+    """{field: why it cannot act} for fields every Config has: the schedule's,
+    evaluation's and the conv torso's (`torso`: the resolved one)."""
+    factors = schedule_factors(config.lr_schedule)
+    inert = {name: (f'has no effect: --lr-schedule {config.lr_schedule!r} has no '
+                    f'{" or ".join(needs)} factor')
+             for name, needs in (('lr', ('constant',)), ('lr_decay_epochs', ('linear_decay',)),
+                                 ('warmup_steps', ('linear_warmup', 'rsqrt_decay')))
+             if not set(needs) & set(factors)}
+    if torso != 'conv':
+        inert['conv_channels'] = ('acts with the conv torso only (--torso conv, or auto on '
+                                  f'[height, width, channels] observations); {config.env}\'s '
+                                  'observations are flat')
+    if config.n_eval_episodes == 0:
+        inert.update(dict.fromkeys(('eval_steps', 'eval_temperatures', 'eval_every'),
+                                   'has no effect with --n-eval-episodes 0 (no evaluation)'))
+    cap = getattr(env_params, 'max_steps_in_episode', None)
+    if cap is not None and config.eval_steps and max(config.eval_steps) > cap:
+        inert['eval_steps'] = (f'{max(config.eval_steps)}: episodes of {config.env} end by '
+                               f'step {int(cap)} (--max-steps), so a longer horizon evaluates '
+                               f'the same; use at most {int(cap)}')
+    return inert
 
 
 # ---------------------------------------------------------------------------
@@ -665,6 +803,9 @@ class Agent:
     max_steps: int  # the episode cap actually used
     memory_flags: str = '--num-seeds'  # what to lower when the runs do not fit
     spec: typing.Any = None
+    config: typing.Any = None  # the config make_agent was given
+    check_runs: typing.Callable = None  # (config, runs): the algorithm's cross-field rules
+    obs_shape: tuple = ()  # one observation's
 
     def batched(self, name):
         """jit(vmap(phase `name`)) over a leading runs axis, made once per
@@ -828,12 +969,11 @@ def run_sweep(agent, config, seed=0, num_seeds=1, grid=None, epochs=None,
     leading runs axis, and {metric: array [epochs, n_runs]}, the evaluation
     figures NaN in the epochs not evaluated.
     """
+    if config != agent.config:  # another config's agent would mix the two silently
+        raise UsageError('run_sweep: `config` is not the one its agent was made from; '
+                         'pass make_agent(config)')
+    check_grid(config, grid or {}, agent.check_runs)
     grid = dict(grid or {})
-    unknown = sorted(set(grid) - set(sweep_fields(config)))
-    if unknown:
-        raise UsageError(f'grid fields {unknown} are not sweepable; sweepable: '
-                         + ', '.join(sweep_fields(config)))
-    check_fields(config, grid)
     runs = expand_runs(config, grid, seed, num_seeds)
     hp, keys = hyperparameters(config, runs), run_keys(runs)
     options = compiler_options(batch_invariant)
@@ -845,3 +985,184 @@ def run_sweep(agent, config, seed=0, num_seeds=1, grid=None, epochs=None,
     state, metrics, _ = chunk.lower(hp, state, *plan).compile(compiler_options=options)(
         hp, state, *plan)
     return runs, state, {name: values.T for name, values in metrics.items()}
+
+
+# ---------------------------------------------------------------------------
+# The plain command line, `python dqn.py --seed 0` where harness/ is absent
+# (an algorithm file and this one copied alone): every Config field is a
+# flag, and metrics.jsonl is bitwise the full command line's for the same
+# flags. harness/ adds what a long experiment needs.
+# ---------------------------------------------------------------------------
+
+HARNESS_ADDS = ('no harness/ here, so a plain run that writes metrics.jsonl; copy harness/ '
+                'for checkpoints, resume, TensorBoard, sweeps over devices, processes, plots')
+RUN_FLAGS = {'seed': 0, 'num_seeds': 1, 'output_dir': None}
+CHUNK_EPOCHS = 256  # epochs per compiled call at most: the metric buffers' length
+
+
+def parse_value(kind, text):
+    """One value of a flag as `kind`; an int exactly ('1e3' is 1000; '2.5',
+    'inf' and '1e999' are refused), never through a float."""
+    try:
+        if kind is not int:
+            return kind(text)
+        value = decimal.Decimal(text)
+        if value.is_finite() and value.adjusted() <= 30 and value == value.to_integral_value():
+            return int(value)
+    except (ValueError, decimal.InvalidOperation):
+        pass
+    raise UsageError(f'expected {kind.__name__}, got {text!r}')
+
+
+def parse_field(field, kinds, text, name):
+    """A flag's text as its field's value: a comma list for a tuple, or for a
+    sweep field a list of 2+ values (a grid); 'none' for an unset Optional."""
+    kind, is_tuple, optional = kinds
+    if optional and text.lower() in ('none', ''):
+        return None
+    values = [parse_value(kind, part.strip()) for part in text.split(',') if part.strip()]
+    if not values:
+        raise UsageError(f'{name}: empty value')
+    if is_tuple:
+        return tuple(values)
+    if len(values) > 1 and not field.metadata.get('sweep'):
+        raise UsageError(f'{name} takes one value (it changes shapes or the program), '
+                         f'got {text!r}')
+    return values if len(values) > 1 else values[0]
+
+
+def parse_flags(config_cls, argv):
+    """argv -> ({field: value} of the flags given, {run flag: value})."""
+    fields, kinds = {f.name: f for f in dataclasses.fields(config_cls)}, field_kinds(config_cls)
+    names = {flag(name): name for name in RUN_FLAGS}
+    for field in fields.values():
+        for name in (flag(field.name), '--' + field.name.replace('_', '-'),
+                     *field.metadata.get('aliases', ())):
+            names[name] = field.name
+    typed, run, argv = {}, dict(RUN_FLAGS), list(argv)
+    while argv:
+        arg = argv.pop(0)
+        name, equals, text = arg.partition('=')
+        negated = names.get('--' + name[5:]) if name.startswith('--no-') else None
+        field = names.get(name) or negated
+        if field is None:
+            raise UsageError(f'unrecognized argument {arg!r} (--help lists the flags)')
+        if kinds.get(field, (None,))[0] is bool:  # --flag / --no-flag
+            typed[field] = negated is None
+            continue
+        if not equals:
+            if not argv:
+                raise UsageError(f'{name} needs a value')
+            text = argv.pop(0)
+        try:
+            if field in fields:
+                typed[field] = parse_field(fields[field], kinds[field], text, name)
+            else:
+                run[field] = text if field == 'output_dir' else parse_value(int, text)
+        except UsageError as error:  # as argparse says it
+            raise UsageError(f'argument {name}: {error}') from None
+    return typed, run
+
+
+def env_settings(config_cls, table, typed, mode_field=None):
+    """The settings of the env asked for that no typed flag overrides; None
+    when the entry was tuned for another `mode_field` value (actor_critic's
+    policy_loss) than the one typed: then none of it applies."""
+    entry = table.get(typed.get('env', config_cls.env), {})
+    if mode_field in entry and mode_field in typed and typed[mode_field] != entry[mode_field]:
+        return None
+    return {name: value for name, value in entry.items() if name not in typed}
+
+
+def config_and_grid(config_cls, values):
+    """(config with each sweep field at its first value, {field: [values]}),
+    the grid in field order (its outer loop first)."""
+    grid = {f.name: values[f.name] for f in dataclasses.fields(config_cls)
+            if isinstance(values.get(f.name), list)}
+    return config_cls(**{name: value[0] if name in grid else value
+                         for name, value in values.items()}), grid
+
+
+def plain_main(config_cls, make_agent, settings, argv=None, mode_field=None):
+    """An algorithm script's main() without harness/: parse, check as the
+    full command line does (one line, exit 2), run, write metrics.jsonl."""
+    prog = os.path.basename(sys.argv[0]) if argv is None else f'{config_cls.__module__}.py'
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if {'-h', '--help'} & set(argv):
+        kinds = field_kinds(config_cls)
+        print(f'usage: {prog} [--FIELD VALUE ...] [--seed N] [--num-seeds N] [--output-dir '
+              f'DIR]\n{HARNESS_ADDS}')
+        for f in dataclasses.fields(config_cls):
+            constraint = constraint_text(f, kinds[f.name][0])
+            print(f'  {flag(f.name)}: {f.metadata["help"]}'
+                  + (f' {{{constraint}}}' if constraint else '') + f' (default: {f.default})')
+        return {}
+    print(f'{prog}: {HARNESS_ADDS}', file=sys.stderr, flush=True)
+    try:
+        typed, run = parse_flags(config_cls, argv)
+        table = settings(typed) if callable(settings) else settings
+        applied = env_settings(config_cls, table, typed, mode_field) or {}
+        config, grid = config_and_grid(config_cls, {**applied, **typed})
+        if not (1 <= run['num_seeds'] and 0 <= run['seed']
+                and run['seed'] + run['num_seeds'] - 1 <= INT32_MAX):
+            raise UsageError(f'--seed and --num-seeds: seeds {run["seed"]}.. must be int32')
+        agent = make_agent(config, given={**dict.fromkeys(applied, f"{config.env}'s settings"),
+                                          **dict.fromkeys(typed)})
+        check_grid(config, grid, agent.check_runs)
+    except UsageError as error:
+        print(f'{prog}: error: {error}', file=sys.stderr, flush=True)
+        sys.exit(2)
+    if applied:
+        print(f'{prog}: settings for {config.env}: {applied}')
+    return plain_run(agent, config, grid, **run)
+
+
+def plain_run(agent, config, grid, seed, num_seeds, output_dir):
+    """Seeds x grid in the full command line's compiled programs (init, then
+    chunks of epochs, each up to the next evaluation), a progress line per
+    chunk; metrics.jsonl rewritten atomically after each. -> the last metrics."""
+    runs = expand_runs(config, grid, seed, num_seeds)
+    hp, keys, options = hyperparameters(config, runs), run_keys(runs), compiler_options()
+    state = agent.batched('init').lower(keys, hp).compile(compiler_options=options)(keys, hp)
+    length, period = min(CHUNK_EPOCHS, config.epochs), evaluation_period(config)
+    plan = lambda start, n: [jnp.int32(v) for v in (start, n, config.epochs, period)]  # noqa
+    chunk = jax.jit(functools.partial(run_epochs, agent, length)).lower(
+        hp, state, *plan(0, 1)).compile(compiler_options=options)
+    output_dir = output_dir or os.path.join(
+        'runs', f'{agent.name}_{config.env}_s{seed}_{time.strftime("%Y%m%d-%H%M%S")}')
+    os.makedirs(output_dir, exist_ok=True)
+    path, lines, epoch, evaluated = os.path.join(output_dir, 'metrics.jsonl'), [], 0, {}
+    tags = {eval_key(*tag) for tag in agent.eval_tags}
+    while epoch < config.epochs:
+        n, start = min(length, config.epochs - epoch, period - epoch % period), time.time()
+        state, metrics, _ = chunk(hp, state, *plan(epoch, n))
+        metrics, seconds = jax.tree.map(np.asarray, metrics), (time.time() - start) / n
+        for i in range(n):
+            epoch += 1
+            due = evaluation_due(epoch, config.epochs, period)
+            values = {name: value[:, i] for name, value in metrics.items()
+                      if due or name not in tags}
+            values['rl/n_interactions_per_second'] = values.pop('rl/new_interactions') / seconds
+            values['timing/epoch'] = np.full(len(runs), seconds)
+            lines += [json.dumps(record) + '\n' for record in metric_records(epoch, values, runs)]
+            evaluated.update({k: v for k, v in values.items() if k.startswith('rl/avg_return_t')})
+        with open(path + f'.tmp-{os.getpid()}', 'w') as f:
+            f.write(''.join(lines))
+        os.replace(path + f'.tmp-{os.getpid()}', path)
+        shown = [f'return {np.nanmean(values["rl/avg_return"]):.1f}'] + [
+            f'eval {name[len("rl/avg_return_"):]} {np.nanmean(value):.1f}'
+            for name, value in evaluated.items()]
+        print(f'epoch {epoch}/{config.epochs} | ' + ' | '.join(shown)
+              + f' | {seconds:.2f}s/epoch', flush=True)
+    greedy = [v for k, v in evaluated.items() if '_temperature0.00_' in k]
+    print(f'done: {len(runs)} run(s), final greedy return '
+          f'{np.mean(greedy[-1]) if greedy else float("nan"):.1f}, results in {output_dir}')
+    return values
+
+
+def metric_records(epoch, metrics, runs):
+    """One JSON record per run for an epoch's {name: array [n_runs]}; null for
+    a value that is not finite."""
+    return [{'epoch': epoch, 'run': index, **run,
+             **{name: float(v[index]) if math.isfinite(float(v[index])) else None
+                for name, v in metrics.items()}} for index, run in enumerate(runs)]

@@ -22,7 +22,10 @@ Fixed relative to Trax (why: docs/trax.md section 6; notes: docs/dqn.md):
 """
 
 if __name__ == '__main__':  # a Ctrl-C during the imports: held for main's one line
-    __import__('harness.early_signals')
+    try:
+        __import__('harness.early_signals')
+    except ImportError:  # copied without harness/: common.plain_main runs it
+        pass
 
 import dataclasses
 import functools
@@ -109,9 +112,6 @@ class Config:
         None, 'epochs between evaluations, and always the last (default: epochs // 20, '
         'about 20 a run); evaluation has its own PRNG stream, so this never changes training',
         bounds='[1, inf)')
-    checkpoint_every: Optional[int] = common.option(
-        None, 'epochs between checkpoints, and always the last (default: one a minute of '
-        'wall time, written by a background thread)', bounds='[1, inf)')
 
 
 class Replay(NamedTuple):
@@ -592,9 +592,11 @@ def evaluation_returns(spec, hp, params, eps, temperature, horizon, reset_key, n
     return total
 
 
-def make_agent(config: Config) -> common.Agent:
-    """Validate `config`, derive its Spec and bind the Spec to DQN's phases."""
-    check_config(config)
+def make_agent(config: Config, given=None) -> common.Agent:
+    """Check `config` as the command line does (common.check_grid, then the
+    fields that cannot act: common.check_inert, `given` its fields set by a
+    command line), derive its Spec and bind the Spec to DQN's phases."""
+    common.check_grid(config, {}, check_runs)
     env, env_params = common.make_env(config.env, config.max_steps)
     if common.space_kind(env.action_space(env_params)) != 'discrete':
         raise common.UsageError(f'{config.env} has a continuous (Box) action space; DQN '
@@ -614,6 +616,8 @@ def make_agent(config: Config) -> common.Agent:
         n_envs = config.n_envs
         steps = config.n_interactions_per_epoch // config.n_envs
     check_block_length(n_step, steps)
+    common.check_inert(config, {**common.shared_inert(config, torso, env_params),
+                                **inert_fields(config)}, given)
     spec = Spec(
         config=config, env=env, env_params=env_params, obs_shape=obs_shape,
         obs_dtype=storage_dtype(config, env, env_params), n_actions=env.action_space(env_params).n,
@@ -631,7 +635,7 @@ def make_agent(config: Config) -> common.Agent:
                         eval_tags=list(spec.eval_tags), max_steps=max_steps,
                         memory_flags='--num-seeds (or the grid), --n-replay-epochs, '
                         '--n-interactions-per-epoch, --batch-size, --train-steps-per-epoch',
-                        spec=spec)
+                        spec=spec, config=config, check_runs=check_runs, obs_shape=obs_shape)
 
 
 def storage_dtype(config, env, env_params):
@@ -708,9 +712,9 @@ PQN_MINATAR = {
 }
 
 
-def check_config(config: Config):
-    """Each field's declared constraint, then the rules that tie fields together."""
-    common.check_fields(config)
+def check_runs(config: Config, runs):
+    """The rules that tie fields together (each field's own constraint is
+    common.check_fields'), on every run's values of the swept ones."""
     error = common.UsageError
     if (config.n_trajectories_per_epoch is None) == (config.n_interactions_per_epoch is None):
         raise error('exactly one of --n-trajectories-per-epoch or --n-interactions-per-epoch '
@@ -727,7 +731,25 @@ def check_config(config: Config):
         raise error(f'--advantage-estimator {config.advantage_estimator} needs each env\'s '
                     'steps in order in the replay: use --n-interactions-per-epoch (not '
                     '--n-trajectories-per-epoch, whose blocks keep only the valid rows)')
-    common.multifactor(config.lr_schedule)  # validates the factor names
+    common.schedule_factors(config.lr_schedule)
+    default_lambda = next(f.default for f in dataclasses.fields(Config) if f.name == 'lambda_')
+    for run in runs:
+        if run['gamma'] == 1 and config.scale_value_targets:
+            raise error('--gamma 1 needs --no-scale-value-targets (scale 1/(1-gamma))')
+        # Saved with the run and binding its resume while changing nothing: refused.
+        if (config.advantage_estimator != 'td_lambda'
+                and np.float32(run['lambda_']) != np.float32(default_lambda)):
+            raise error('--lambda acts with --advantage-estimator td_lambda only, '
+                        f'not {config.advantage_estimator}')
+
+
+def inert_fields(config):
+    """{field: why it cannot act} of DQN's own fields (common.check_inert)."""
+    if config.advantage_estimator == 'td_k':
+        return {}
+    return {'max_slice_length': f'acts with --advantage-estimator td_k only: '
+            f'{config.advantage_estimator} targets are computed over whole slices of '
+            'one-step rows'}
 
 
 def check_block_length(n_step, steps):
@@ -740,23 +762,16 @@ def check_block_length(n_step, steps):
             f'env + 1; n-step windows stop at the end of the block), got {n_step + 1}')
 
 
-def check_hyperparameters(config, runs):
-    """Cross-field rules on every value of a (possibly swept) hyperparameter."""
-    default_lambda = next(f.default for f in dataclasses.fields(Config) if f.name == 'lambda_')
-    for run in runs:
-        if run['gamma'] == 1 and config.scale_value_targets:
-            raise common.UsageError('--gamma 1 needs --no-scale-value-targets (scale 1/(1-gamma))')
-        # Saved with the run and binding its resume while changing nothing: refused.
-        if (config.advantage_estimator != 'td_lambda'
-                and np.float32(run['lambda_']) != np.float32(default_lambda)):
-            raise common.UsageError('--lambda acts with --advantage-estimator td_lambda only, '
-                                    f'not {config.advantage_estimator}')
-
-
 def main(argv=None):
-    from harness import cli  # the command line; `import dqn` alone does not need it
-    return cli.main(Config, make_agent, check_hyperparameters, 'dqn.py',
-                       __doc__.split('\n\n')[0], argv, env_settings=ENV_SETTINGS)
+    """The full command line (harness/), or without it common.plain_main."""
+    try:  # `import dqn` alone needs neither
+        from harness import cli
+    except ModuleNotFoundError as error:
+        if error.name != 'harness':
+            raise
+        return common.plain_main(Config, make_agent, ENV_SETTINGS, argv)
+    return cli.main(Config, make_agent, check_runs, 'dqn.py', __doc__.split('\n\n')[0], argv,
+                    env_settings=ENV_SETTINGS)
 
 
 if __name__ == '__main__':

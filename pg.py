@@ -23,7 +23,10 @@ A2C and PPO (Trax's actor_critic.py) are in actor_critic.py.
 """
 
 if __name__ == '__main__':  # a Ctrl-C during the imports: held for main's one line
-    __import__('harness.early_signals')
+    try:
+        __import__('harness.early_signals')
+    except ImportError:  # copied without harness/: common.plain_main runs it
+        pass
 
 import dataclasses
 import functools
@@ -115,9 +118,6 @@ class Config:
         None, 'epochs between evaluations, and always the last (default: epochs // 20, '
         'about 20 a run); evaluation has its own PRNG stream, so this never changes training',
         bounds='[1, inf)')
-    checkpoint_every: Optional[int] = common.option(
-        None, 'epochs between checkpoints, and always the last (default: one a minute of '
-        'wall time, written by a background thread)', bounds='[1, inf)')
 
 
 class Batch(NamedTuple):
@@ -404,10 +404,15 @@ def evaluate(spec, hp, state):
                                   spec.config.n_eval_episodes)
 
 
-def make_agent(config: Config) -> common.Agent:
-    """Validate `config`, derive its Spec and build REINFORCE's per-run phases."""
-    check_config(config)
+def make_agent(config: Config, given=None) -> common.Agent:
+    """Check `config` as the command line does (common.check_grid, then the
+    fields that cannot act: common.check_inert, `given` its fields set by a
+    command line), derive its Spec and build REINFORCE's per-run phases."""
+    common.check_grid(config, {}, check_runs)
     policy = policies.policy_spec(config)
+    common.check_inert(config, {**common.shared_inert(config, policies.feature_torso(
+        policy.torso, policy.obs_shape), policy.env_params), **policies.inert_fields(
+        config, policy)}, given)
     max_steps = policy.max_steps
     fresh = bool(config.n_trajectories_per_epoch)
     if fresh:
@@ -428,7 +433,8 @@ def make_agent(config: Config) -> common.Agent:
     return common.Agent(
         name='pg', init=functools.partial(init, spec), collect=functools.partial(collect, spec),
         train=functools.partial(train, spec), evaluate=functools.partial(evaluate, spec),
-        eval_tags=list(spec.eval_tags), max_steps=max_steps, spec=spec,
+        eval_tags=list(spec.eval_tags), max_steps=max_steps, spec=spec, config=config,
+        check_runs=check_runs, obs_shape=policy.obs_shape,
         memory_flags='--num-seeds (or the grid), --n-trajectories-per-epoch '
         'or --n-interactions-per-epoch, --max-steps, --batch-size')
 
@@ -442,15 +448,11 @@ NOT_HERE = ('pg.py is REINFORCE (Trax PolicyGradient); A2C and PPO are in actor_
             'python actor_critic.py --policy-loss ppo')
 
 
-def check_policy_loss(config):
+def check_runs(config: Config, runs):
+    """The rules that tie fields together (each field's own constraint is
+    common.check_fields'); none is swept."""
     if config.policy_loss != 'reinforce':
         raise common.UsageError(NOT_HERE)
-
-
-def check_config(config: Config):
-    """Each field's declared constraint, then the rules that tie fields together."""
-    common.check_fields(config)
-    check_policy_loss(config)
     error = common.UsageError
     if (config.n_trajectories_per_epoch is None) == (config.n_interactions_per_epoch is None):
         raise error('exactly one of --n-trajectories-per-epoch or --n-interactions-per-epoch '
@@ -461,23 +463,22 @@ def check_config(config: Config):
     if config.train_steps_per_epoch % config.evals_per_epoch:
         raise error(f'--train-steps-per-epoch ({config.train_steps_per_epoch}) must be '
                     f'divisible by --evals-per-epoch ({config.evals_per_epoch})')
-    common.multifactor(config.lr_schedule)  # validates the factor names
+    common.schedule_factors(config.lr_schedule)
     if config.torso == 'gru' and config.batch_size:
         raise error(f'--torso gru trains on whole episodes: it needs --batch-size 0, not '
                     f'{config.batch_size} (Trax\'s length-1 slices have no past to remember)')
-    if config.torso != 'gru' and config.gru_size != Config.gru_size:
-        raise error('--gru-size acts with --torso gru only')
-
-
-def check_hyperparameters(config, runs):
-    """Before compiling: --policy-loss a2c or ppo points to actor_critic.py."""
-    check_policy_loss(config)
 
 
 def main(argv=None):
-    from harness import cli  # the command line; `import pg` alone does not need it
-    return cli.main(Config, make_agent, check_hyperparameters, 'pg.py',
-                    __doc__.split('\n\n')[0], argv, env_settings=ENV_SETTINGS)
+    """The full command line (harness/), or without it common.plain_main."""
+    try:  # `import pg` alone needs neither
+        from harness import cli
+    except ModuleNotFoundError as error:
+        if error.name != 'harness':
+            raise
+        return common.plain_main(Config, make_agent, ENV_SETTINGS, argv)
+    return cli.main(Config, make_agent, check_runs, 'pg.py', __doc__.split('\n\n')[0], argv,
+                    env_settings=ENV_SETTINGS)
 
 
 if __name__ == '__main__':

@@ -78,7 +78,7 @@ def epoch_line(epoch, epochs, metrics, recent_return, seconds, seconds_left):
 # Fields that may change between a run and its resumption.
 HARMLESS_FIELDS = {'epochs', 'checkpoint_every', 'eval_every'}
 CHUNK_SECONDS = 3.0  # the wall time aimed at per compiled call (a chunk of epochs)
-CHUNK_EPOCHS = 256  # at most this many epochs per chunk: its metric buffers' length
+CHUNK_EPOCHS = common.CHUNK_EPOCHS  # at most this many epochs per chunk
 CHECKPOINT_SECONDS = 60.0  # between checkpoints, unless --checkpoint-every is given
 
 
@@ -230,16 +230,18 @@ def config_differences(saved, current):
                   if name not in HARMLESS_FIELDS and saved.get(name) != current.get(name))
 
 
-def main(config_cls, make_agent, check_hyperparameters, prog, description, argv=None,
+def main(config_cls, make_agent, check_runs, prog, description, argv=None,
          env_settings=None, settings_mode_field=None):
-    """The command line of dqn.py / pg.py: parse flags, then fill in the flags
-    not given: from the env's settings, and on resume from the saved config
-    (defaults < env settings < saved config < flags given); check every run's
-    hyperparameters, then run (or resume, or only evaluate) the experiment."""
+    """The command line of an algorithm script: parse flags, then fill in the
+    flags not given: from the env's settings (`env_settings`: a table, or a
+    function of the typed values giving one), and on resume from the saved
+    config (defaults < env settings < saved config < flags given); check
+    every run's values (common.check_grid with the algorithm's `check_runs`),
+    then run (or resume, or only evaluate) the experiment."""
     with _signals, rundir.matplotlib_config_dir():
         try:
             _signals.check()
-            return _main(config_cls, make_agent, check_hyperparameters, prog, description,
+            return _main(config_cls, make_agent, check_runs, prog, description,
                          argv, env_settings, settings_mode_field)
         except Interrupted as stop:
             _fail(prog, f'interrupted ({signal.Signals(stop.signum).name}) before the first '
@@ -249,12 +251,15 @@ def main(config_cls, make_agent, check_hyperparameters, prog, description, argv=
             _fail(prog, f'cannot write to stdout ({error}); nothing was run', status=1)
 
 
-def _main(config_cls, make_agent, check_hyperparameters, prog, description, argv,
+def _main(config_cls, make_agent, check_runs, prog, description, argv,
           env_settings, settings_mode_field):
-    parser = flags.build_parser(config_cls, prog, description, env_settings)
-    args = parser.parse_args(argv)
-    args.given = flags.given_flags(parser, argv)
+    parser = flags.build_parser(config_cls, prog, description)
+    args, args.given, env_settings = flags.parse(parser, argv, env_settings)
     applied = flags.apply_env_settings(config_cls, args, env_settings, settings_mode_field)
+    # The fields a command line set, which common.check_inert refuses when
+    # they cannot act: typed (None), or from the env's settings.
+    args.set_fields = {**dict.fromkeys(sorted(applied or ()), f"{args.env}'s settings"),
+                       **dict.fromkeys(sorted(args.given))}
     try:
         saved = flags.saved_run_config(args.output_dir)
         args.sees_saved_run = saved is not None  # processes must agree (check_same_flags)
@@ -269,13 +274,7 @@ def _main(config_cls, make_agent, check_hyperparameters, prog, description, argv
                 f'{flags.settings_flags({settings_mode_field: getattr(args, settings_mode_field)})}')
         config, grid = flags.config_and_grid(config_cls, args)
         flags.check_run_flags(args)
-        flags.check_schedule(config, args.given)
-
-        def check(config, grid):
-            common.check_fields(config, grid)
-            check_hyperparameters(config, common.expand_runs(config, grid, args.seed, 1))
-        check(config, grid)
-        flags.check_as_float32(config, grid, check)
+        common.check_grid(config, grid, check_runs)
     except common.UsageError as error:
         parser.error(str(error))
     return run_experiment(make_agent, config, grid, args, prog)
@@ -405,8 +404,8 @@ def _set_up(make_agent, config, grid, args, prog):
     devices.start_processes(args, prog)  # with the process flags: connect, before any JAX work
     devices.check_same_flags(args)
     runs = common.expand_runs(config, grid, args.seed, args.num_seeds)
-    agent = make_agent(config)  # validates the config and the env
-    flags.check_flags_act(config, agent, getattr(args, 'given', set()))
+    # make_agent checks the config, the env and the fields that cannot act.
+    agent = make_agent(config, given=getattr(args, 'set_fields', getattr(args, 'given', set())))
     sharding = devices._run_sharding(len(runs), args.device)
     pad = devices.lone_run_padding(len(runs), sharding, getattr(args, 'batch_invariant', True))
     hp = _pad_rows(common.hyperparameters(config, runs), pad)
@@ -431,7 +430,8 @@ def _set_up(make_agent, config, grid, args, prog):
             _prepare_output_dir(output_dir, prog)
 
     run_config = {'algorithm': agent.name, **dataclasses.asdict(config), 'grid': grid,
-                  'seed': args.seed, 'num_seeds': args.num_seeds}
+                  'seed': args.seed, 'num_seeds': args.num_seeds,
+                  'checkpoint_every': getattr(args, 'checkpoint_every', None)}
     run_config = json.loads(json.dumps(run_config))  # tuples -> lists, as saved
     # Each run's key is PRNGKey(its seed), built in one call (not one per run).
     keys = jax.vmap(jax.random.PRNGKey)(jnp.asarray([run['seed'] for run in runs], jnp.int32))
@@ -544,8 +544,7 @@ def _check_same_devices(run, saved_devices):
     """Refuse a resume on another number of devices where that would change
     the numbers: runs whose observations are wider than BITWISE_OBS_SIZE."""
     now = len(run.sharding.device_set)
-    spec = run.agent.spec
-    obs_size = int(np.prod(getattr(spec, 'obs_shape', None) or spec.policy.obs_shape))
+    obs_size = int(np.prod(run.agent.obs_shape))
     if saved_devices is None or saved_devices == now or obs_size <= BITWISE_OBS_SIZE \
             or next(iter(run.sharding.device_set)).platform != 'cpu':
         return
@@ -665,8 +664,9 @@ def _chunk_size(run, length, progress, epoch, args):
     if progress.per_epoch is None:
         return 1
     n = min(n, max(1, int(CHUNK_SECONDS / progress.per_epoch)))
-    if config.checkpoint_every:
-        n = min(n, config.checkpoint_every - epoch % config.checkpoint_every)
+    every = getattr(args, 'checkpoint_every', None)
+    if every:
+        n = min(n, every - epoch % every)
     time_limit = getattr(args, 'time_limit', None)
     if time_limit is not None:
         left = time_limit - (time.time() - run.wall_start)
@@ -699,7 +699,7 @@ def _epoch_loop(run, phases, state, args, prog):
             # Every process stops together: a signal or a lost stdout on any.
             stop = devices.any_process(_signals.pending is not None or lost is not None)
             out_of_time = progress.out_of_time(epoch, getattr(args, 'time_limit', None))
-            every = config.checkpoint_every
+            every = getattr(args, 'checkpoint_every', None)
             if (epoch % every == 0 if every else saver.due()) or epoch == config.epochs \
                     or stop or out_of_time:
                 saver.save(state, epoch)

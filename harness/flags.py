@@ -4,15 +4,11 @@ on resume, the saved run's config. Layering: field defaults < the env's
 settings < a saved run's config < flags typed on the command line."""
 
 import argparse
-import copy
 import dataclasses
-import decimal
 import os
 import sys
-import typing
 
 import jax
-import numpy as np
 
 import common
 from harness import devices
@@ -26,40 +22,17 @@ class ArgumentParser(argparse.ArgumentParser):
         self.exit(2, f'{self.prog}: error: {message}\n')
 
 
-def _parse_int(text):
-    """An int written as one ('12') or as a whole number ('1e3'), exactly:
-    never through a float, so '1e999' or 'inf' is an error, not an overflow."""
-    try:
-        value = decimal.Decimal(text)
-    except decimal.InvalidOperation:
-        raise ValueError from None
-    if not value.is_finite() or value.adjusted() > 30 or value != value.to_integral_value():
-        raise ValueError
-    return int(value)
-
-
-def _parse_scalar(kind, text, flag):
-    try:
-        return _parse_int(text) if kind is int else kind(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f'{flag}: expected {kind.__name__}, got {text!r}') from None
-
-
 def _flag_parser(kind, is_tuple, optional, sweep, flag):
+    """argparse's type for a flag: common.parse_field's value (a sweep field's
+    always a list), its UsageError as argparse's one-line error."""
+    field = dataclasses.field(metadata={'sweep': sweep})
+
     def parse(text):
-        if optional and text.lower() in ('none', ''):
-            return None
-        parts = [part.strip() for part in text.split(',') if part.strip()]
-        if not parts:
-            raise argparse.ArgumentTypeError(f'{flag}: empty value')
-        values = [_parse_scalar(kind, part, flag) for part in parts]
-        if is_tuple:
-            return tuple(values)
-        if len(values) > 1 and not sweep:
-            raise argparse.ArgumentTypeError(
-                f'{flag} takes one value (it changes shapes or the program), got {text!r}')
-        return values if sweep else values[0]
+        try:
+            value = common.parse_field(field, (kind, is_tuple, optional), text, flag)
+        except common.UsageError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
+        return [value] if sweep and not isinstance(value, list) else value
     return parse
 
 
@@ -114,11 +87,13 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
-def build_parser(config_cls, prog, description, env_settings=None):
-    """A parser with one flag per config field plus the run flags; --help ends
-    with the table of per-env settings."""
+def build_parser(config_cls, prog, description):
+    """A parser with one flag per config field plus the run flags; its own
+    --help, which parse() answers once the settings table is known."""
     parser = ArgumentParser(prog=prog, description=description, formatter_class=_HelpFormatter,
-                            epilog=None if env_settings is None else env_settings_help(env_settings))
+                            add_help=False)
+    parser.add_argument('-h', '--help', action='store_true',
+                        help='show this help message (and the per-env settings) and exit')
     _add_config_flags(parser, config_cls)
     _add_run_flags(parser)
     _add_process_flags(parser)
@@ -127,14 +102,14 @@ def build_parser(config_cls, prog, description, env_settings=None):
 
 def _add_config_flags(parser, config_cls):
     """One flag per Config field, its help line ending in the constraint."""
-    hints = typing.get_type_hints(config_cls)
+    kinds = common.field_kinds(config_cls)
     for field in dataclasses.fields(config_cls):
         flag = '--' + field.name.replace('_', '-')
         # A name that is a Python keyword plus '_' (Trax's `lambda_`) is typed
         # without the underscore: --lambda (the literal --lambda- works too).
         flags = [flag.rstrip('-'), flag] if field.name.endswith('_') else [flag]
         flags += list(field.metadata.get('aliases', ()))
-        kind, is_tuple, optional = common._base_type(hints[field.name])
+        kind, is_tuple, optional = kinds[field.name]
         help_text = field.metadata.get('help', '')
         constraint = common.constraint_text(field, kind)
         if constraint:
@@ -161,6 +136,10 @@ def _add_run_flags(parser):
     run.add_argument('--output-dir', default=None,
                      help='where config, metrics, checkpoint and summary go; an existing '
                           'run there is resumed (default: a new folder under runs/)')
+    run.add_argument('--checkpoint-every', default=None, metavar='EPOCHS',
+                     type=_flag_parser(int, False, True, False, '--checkpoint-every'),
+                     help='epochs between checkpoints, and always the last (default: one a '
+                          'minute of wall time, written by a background thread)')
     run.add_argument('--only-eval', action='store_true',
                      help='restore the checkpoint in --output-dir and only evaluate')
     run.add_argument('--plot', action='store_true',
@@ -221,17 +200,32 @@ def _add_process_flags(parser):
                                 'within this time')
 
 
-def given_flags(parser, argv):
-    """The dests set on the command line itself, as opposed to by default.
+def parse(parser, argv, settings):
+    """Parse argv, once -> (args, the dests given on the command line itself,
+    the settings table for them). `settings`: the table, or a function of the
+    typed values giving it. --help prints the flags and that table, exit 0.
 
-    Lets a layer of settings sit between the defaults and the command line
-    (a saved run's config on resume, an env's settings): a flag typed by the
-    user always wins, a flag left out takes the layer's value.
-    """
-    bare = copy.deepcopy(parser)
-    for action in bare._actions:
+    The given dests let a layer of settings sit between the defaults and the
+    command line (an env's settings, a saved run's config): a flag typed
+    always wins, a flag left out takes the layer's value."""
+    defaults = {action.dest: action.default for action in parser._actions}
+    for action in parser._actions:
         action.default = argparse.SUPPRESS
-    return set(vars(bare.parse_args(argv)))
+    try:
+        args = parser.parse_args(argv)
+    finally:
+        for action in parser._actions:
+            action.default = defaults[action.dest]
+    given = set(vars(args)) - {'help'}
+    table = settings(vars(args)) if callable(settings) else settings
+    if getattr(args, 'help', False):
+        parser.epilog = env_settings_help(table or {})
+        parser.print_help()
+        parser.exit()
+    for dest, default in defaults.items():
+        if not hasattr(args, dest):
+            setattr(args, dest, default)
+    return args, given, table
 
 
 _SETTINGS_HEADING = 'per-env settings'
@@ -263,28 +257,20 @@ def env_settings_help(table):
 
 
 def apply_env_settings(config_cls, args, table, mode_field=None):
-    """Set on `args` the settings of args.env that no command-line flag gave;
-    -> {field: value} of those applied. Refuses a table naming no such field.
-
-    `mode_field` (pg.py's policy_loss): an entry that sets it was tuned for
-    that algorithm; when the command line asks for another, none of the entry
-    applies (its other fields belong to that algorithm) -> None."""
+    """Set on `args` the settings of args.env that no command-line flag gave
+    (common.env_settings); -> {field: value} of those applied, or None when
+    the entry is for another `mode_field` value than the one typed."""
     names = {field.name for field in dataclasses.fields(config_cls)}
-    entry = (table or {}).get(args.env, {})
-    if (mode_field in entry and mode_field in getattr(args, 'given', set())
-            and getattr(args, mode_field) != entry[mode_field]):
-        return None
-    applied = {}
-    for name, value in entry.items():
+    typed = {name: getattr(args, name) for name in args.given if name in names}
+    applied = common.env_settings(config_cls, table or {}, typed, mode_field)
+    for name, value in (applied or {}).items():
         if name not in names:
             raise ValueError(f'env settings for {args.env}: no config field {name!r}')
-        if name not in getattr(args, 'given', set()):
-            setattr(args, name, value)
-            applied[name] = value
+        setattr(args, name, value)
     return applied
 
 
-RUN_FIELDS = ('seed', 'num_seeds')  # run flags a saved run's config records
+RUN_FIELDS = ('seed', 'num_seeds', 'checkpoint_every')  # run flags a saved run's config records
 
 
 def saved_run_config(output_dir):
@@ -313,13 +299,13 @@ def take_saved_config(config_cls, args, saved):
     fields = {field.name: field for field in dataclasses.fields(config_cls)}
     if set(saved) - {'algorithm', 'grid', *RUN_FIELDS} != set(fields):
         return
-    hints = typing.get_type_hints(config_cls)
+    kinds = common.field_kinds(config_cls)
     grid = saved.get('grid') or {}
     for name in [*fields, *RUN_FIELDS]:
         if name in args.given or name not in saved:
             continue
         value = grid.get(name, saved[name])
-        if name in fields and value is not None and common._base_type(hints[name])[1]:
+        if name in fields and value is not None and kinds[name][1]:
             value = tuple(value)  # JSON keeps tuples as lists
         setattr(args, name, list(value) if name in grid else value)
     horizon = saved.get('lr_decay_epochs')
@@ -337,18 +323,13 @@ def pinned_schedule_message(output_dir, horizon):
 
 def config_and_grid(config_cls, args):
     """(config with each sweep field at its first value, {field: [values]})."""
-    values, grid = {}, {}
-    for field in dataclasses.fields(config_cls):
-        value = getattr(args, field.name)
-        if field.metadata.get('sweep') and isinstance(value, list):
-            if len(value) > 1:
-                grid[field.name] = value
-            value = value[0]
-        values[field.name] = value
+    values = {field.name: getattr(args, field.name) for field in dataclasses.fields(config_cls)}
+    values = {name: value[0] if isinstance(value, list) and len(value) == 1 else value
+              for name, value in values.items()}
     if 'lr_decay_epochs' in values and values['lr_decay_epochs'] is None:
         # Pin the schedule's horizon, so a resume with more --epochs keeps it.
         values['lr_decay_epochs'] = values['epochs']
-    return config_cls(**values), grid
+    return common.config_and_grid(config_cls, values)
 
 
 def check_run_flags(args):
@@ -364,109 +345,3 @@ def check_run_flags(args):
     if not 1 <= timeout <= 86400:
         raise common.UsageError(f'--coordinator-timeout must be in [1, 86400] seconds, got {timeout:g}')
     devices.check_process_flags(args)
-
-
-def _as_float32(value):
-    with np.errstate(over='ignore', under='ignore'):
-        return float(np.float32(value))
-
-
-def float32_values(config, grid, names):
-    """(config, grid) with the float fields in `names` as float32 holds them
-    (each tuple entry and sweep value): the values the compiled program sees."""
-    kinds = common._field_kinds(type(config))
-    def cast(name, value):
-        if value is None or kinds[name][0] is not float:
-            return value
-        return tuple(map(_as_float32, value)) if kinds[name][1] else _as_float32(value)
-    changes = {name: cast(name, getattr(config, name)) for name in names}
-    grid = {name: [cast(name, value) for value in values] if name in names else values
-            for name, values in (grid or {}).items()}
-    return dataclasses.replace(config, **changes), grid
-
-
-def check_as_float32(config, grid, check):
-    """`check(config, grid)` (the fields' bounds and the cross-field rules) on
-    the values as float32: a value that passes in float64 but rounds onto a
-    bound or out of range in float32 (--gamma 0.99999999 is 1, --lr 1e300 is
-    inf, 1e-50 is 0) is refused, naming what it becomes."""
-    kinds = common._field_kinds(type(config))
-    floats = [name for name, (kind, _, _) in kinds.items() if kind is float]
-    try:
-        check(*float32_values(config, grid, floats))
-    except common.UsageError as error:
-        def typed(name):  # every value given for the field, as typed and as float32
-            values = (grid or {}).get(name, [getattr(config, name)])
-            entries = [entry for value in values if value is not None
-                       for entry in (value if kinds[name][1] else (value,))]
-            return [(entry, _as_float32(entry)) for entry in entries  # visibly moved
-                    if float(f'{_as_float32(entry):.7g}') != entry]
-        def fails_alone(name):
-            try:
-                check(*float32_values(config, grid, [name]))
-            except common.UsageError:
-                return True
-            return False
-        culprits = [name for name in floats if typed(name) and fails_alone(name)] or \
-            [name for name in floats if typed(name)]
-        said = ', '.join(f'--{name.rstrip("_").replace("_", "-")} {entry!r} is {value:g}'
-                         for name in culprits for entry, value in typed(name))
-        raise common.UsageError(f'{error} (in float32, the precision the program computes '
-                                f'in: {said})') from None
-
-
-def _flag(name):
-    return '--' + name.rstrip('_').replace('_', '-')
-
-
-def check_schedule(config, given):
-    """The learning-rate schedule names a factor, and each schedule flag typed
-    on the command line has a factor it acts on."""
-    if not hasattr(config, 'lr_schedule'):
-        return
-    names = [name.strip() for name in config.lr_schedule.split('*') if name.strip()]
-    if not names:
-        raise common.UsageError(f'--lr-schedule {config.lr_schedule!r} names no factor '
-                                "(e.g. 'constant' or 'constant * linear_decay')")
-    acts_on = {'lr': 'constant', 'value_lr': 'constant', 'lr_decay_epochs': 'linear_decay',
-               'warmup_steps': ('linear_warmup', 'rsqrt_decay')}
-    for name, factors in acts_on.items():
-        factors = (factors,) if isinstance(factors, str) else factors
-        if name in given and hasattr(config, name) and not set(factors) & set(names):
-            raise common.UsageError(
-                f'{_flag(name)} has no effect: --lr-schedule {config.lr_schedule!r} has no '
-                f'{" or ".join(factors)} factor')
-
-
-# Fields that act only on Box (continuous) actions, and only with gSDE.
-BOX_ONLY = ('state_dependent_exploration', 'init_log_std', 'sde_sample_freq')
-EVALUATION_ONLY = ('eval_steps', 'eval_temperatures', 'eval_every')
-
-
-def check_flags_act(config, agent, given):
-    """Refuse a flag typed on the command line that cannot act on this env or
-    mode (it would be saved, and bind a resume, while changing nothing)."""
-    defaults = {field.name: field.default for field in dataclasses.fields(config)}
-    given = {name for name in given if name in defaults
-             and getattr(config, name) != defaults[name]}  # the default does nothing anyway
-    policy = getattr(agent.spec, 'policy', None)
-    if policy is not None and policy.kind != 'box':
-        for name in BOX_ONLY:
-            if name in given:
-                raise common.UsageError(f'{_flag(name)} acts on Box (continuous) actions '
-                                        f'only; {config.env} has discrete actions')
-    if 'sde_sample_freq' in given and not getattr(config, 'state_dependent_exploration', True):
-        raise common.UsageError('--sde-sample-freq acts with --state-dependent-exploration only')
-    if getattr(config, 'n_eval_episodes', 1) == 0:
-        for name in EVALUATION_ONLY:
-            if name in given:
-                raise common.UsageError(f'{_flag(name)} has no effect with --n-eval-episodes 0 '
-                                        '(no evaluation)')
-    if 'eval_steps' not in given or not config.eval_steps:
-        return
-    _, env_params = common.make_env(config.env, config.max_steps)
-    if hasattr(env_params, 'max_steps_in_episode') and max(config.eval_steps) > agent.max_steps:
-        raise common.UsageError(
-            f'--eval-steps {max(config.eval_steps)}: episodes of {config.env} end by step '
-            f'{agent.max_steps} (--max-steps), so a longer horizon evaluates the same; use at '
-            f'most {agent.max_steps}')

@@ -669,8 +669,9 @@ def test_env_settings_table_names_real_fields_and_valid_configs():
             for field, value in entry.items():
                 assert field in fields, (name, field)
                 assert value != base[field] or field == 'policy_loss', (name, field)
-            ac.check_config(dataclasses.replace(
-                ac.Config(env=name), **{k: v for k, v in settings.items() if k != 'env'}))
+            common.check_grid(dataclasses.replace(
+                ac.Config(env=name), **{k: v for k, v in settings.items() if k != 'env'}), {},
+                ac.check_runs)
     # The table a command line gets: PPO's unless it asks for a mode with its own.
     assert ac.env_settings('ppo', 'Pendulum-v1') is ac.ENV_SETTINGS
     for loss in ('a2c', 'awr'):
@@ -685,16 +686,30 @@ def test_env_settings_apply_flags_override_and_config_records(tmp_path, capsys):
     ac.main(['--env', 'MountainCarContinuous-v0', '--epochs', '1', '--n-envs', '2',
              '--n-interactions-per-epoch', '8', '--batch-size', '4', '--value-batch-size', '4',
              '--train-steps-per-epoch', '2', '--value-train-steps-per-epoch', '2',
-             '--n-eval-episodes', '0', '--no-state-dependent-exploration',
+             '--n-eval-episodes', '0', '--sde-sample-freq', '16',
              '--compile-cache', 'none', '--no-tensorboard', '--output-dir', str(out)])
     printed = capsys.readouterr().out.splitlines()[0]
     assert printed.startswith('actor_critic.py: settings for MountainCarContinuous-v0: ')
-    assert '--policy-loss ppo' in printed and '--sde-sample-freq 32' in printed
-    assert '--normalize-observations ' in printed and 'state-dependent' not in printed
+    assert '--policy-loss ppo' in printed and '--state-dependent-exploration' in printed
+    assert '--normalize-observations ' in printed and 'sde-sample-freq' not in printed
     config = json.loads((out / 'config.json').read_text())
     assert config['policy_loss'] == 'ppo' and config['normalize_observations'] is True
-    assert config['sde_sample_freq'] == 32 and config['n_trajectories_per_epoch'] is None
-    assert config['state_dependent_exploration'] is False and config['epochs'] == 1
+    assert config['sde_sample_freq'] == 16 and config['n_trajectories_per_epoch'] is None
+    assert config['state_dependent_exploration'] is True and config['epochs'] == 1
+
+
+def test_a_setting_that_cannot_act_names_where_it_came_from(tmp_path, capsys):
+    """Issue 37: a setting the typed flags make inert is refused, saying it
+    came from the env's settings and how to override it."""
+    with pytest.raises(SystemExit) as info:
+        ac.main(['--env', 'MountainCarContinuous-v0', '--no-state-dependent-exploration',
+                 '--output-dir', str(tmp_path / 'run')])
+    assert info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err == ('actor_critic.py: error: --sde-sample-freq acts with '
+                   '--state-dependent-exploration only (it came from MountainCarContinuous-v0\'s '
+                   'settings: give --sde-sample-freq 0 to override it)')
+    assert not os.path.exists(tmp_path / 'run')
 
 
 @pytest.mark.parametrize('loss, env', [('awr', 'CartPole-v1'), ('awr', 'Pendulum-v1'),

@@ -1057,7 +1057,7 @@ def test_env_settings_table_names_real_fields_and_discrete_envs():
         for field, value in settings.items():
             assert field in fields, (name, field)
             assert value != fields[field].default, f'{name}: {field} is the default'
-        dqn.check_config(dataclasses.replace(dqn.Config(env=name), **settings))
+        dqn.make_agent(dataclasses.replace(dqn.Config(env=name), **settings))
 
 
 def test_pqn_settings_build_and_are_docs_command():

@@ -25,6 +25,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+import common  # noqa: E402
 import dqn  # noqa: E402
 import pg  # noqa: E402
 from harness import cli  # noqa: E402
@@ -117,7 +118,7 @@ REFUSED = [
     (dqn, ['--lr', '1e-50'], 'is 0'),
     (dqn, ['--eval-temperatures', '0,1e39'], 'is inf'),
     (dqn, ['--lr-schedule', '*'], 'names no factor'),
-    (dqn, ['--lr-schedule', 'linear_decay', '--lr', '0.01'], '--lr has no effect'),
+    (dqn, ['--lr-schedule', 'linear_decay', '--lr', '0.02'], '--lr has no effect'),
     (dqn, ['--lr-schedule', 'constant', '--lr-decay-epochs', '5'], '--lr-decay-epochs has no'),
     (dqn, ['--eval-steps', '100000'], 'use at most 500'),
     (dqn, ['--n-eval-episodes', '0', '--eval-every', '2'], 'no evaluation'),
@@ -145,15 +146,12 @@ def test_ints_parse_exactly_and_float32_keeps_what_fits():
     assert parse(str(2 ** 70)) == 2 ** 70  # exact, and check_fields bounds it (int32)
     checked = []
     config = dqn.Config(gamma=0.9999999)  # float32 0.99999988: < 1, accepted
-    flags.check_as_float32(config, {}, lambda c, g: checked.append(c.gamma))
-    assert checked == [float(np.float32(0.9999999))] and checked[0] < 1
+    common.check_grid(config, {}, lambda c, runs: checked.append(c.gamma))
+    assert checked == [0.9999999, float(np.float32(0.9999999))] and checked[1] < 1
 
 
 def test_a_flag_at_its_default_is_never_refused_as_unable_to_act():
-    agent = types.SimpleNamespace(spec=types.SimpleNamespace(
-        policy=types.SimpleNamespace(kind='discrete')), max_steps=500)
-    config = pg.Config()
-    flags.check_flags_act(config, agent, {'state_dependent_exploration', 'init_log_std'})
+    pg.make_agent(pg.Config(), given={'state_dependent_exploration', 'init_log_std'})
 
 
 # ---------------------------------------------------------------------------
@@ -411,8 +409,7 @@ def test_a_resume_on_another_device_count_is_refused_for_wide_observations():
 
     def run(obs_shape, n_devices):
         return types.SimpleNamespace(
-            output_dir='D', agent=types.SimpleNamespace(spec=types.SimpleNamespace(
-                obs_shape=obs_shape)),
+            output_dir='D', agent=types.SimpleNamespace(obs_shape=obs_shape),
             sharding=types.SimpleNamespace(device_set={Device() for _ in range(n_devices)}))
     cli._check_same_devices(run((4,), 1), 2)  # CartPole: bitwise on any count
     cli._check_same_devices(run((50,), 2), 2)

@@ -306,7 +306,7 @@ class TinyConfig:
 
 def parse(argv):
     parser = flags.build_parser(TinyConfig, 'tiny', 'a tiny config')
-    return parser.parse_args(argv)
+    return flags.parse(parser, argv, {})[0]
 
 
 def test_config_defaults():
@@ -416,14 +416,20 @@ def test_config_unparseable_int_message_says_what(capsys):
     assert '--max-slice-length' in err and 'int' in err and "'abc'" in err
 
 
+def given_flags(parser, argv):
+    return flags.parse(parser, argv, {})[1]
+
+
 def test_given_flags_names_only_what_the_command_line_set():
     parser = flags.build_parser(TinyConfig, 'tiny', '')
-    assert flags.given_flags(parser, []) == set()
-    given = flags.given_flags(parser, ['--lr', '1e-3,3e-4', '--no-double-dqn', '--seed', '3'])
+    assert given_flags(parser, []) == set()
+    given = given_flags(parser, ['--lr', '1e-3,3e-4', '--no-double-dqn', '--seed', '3'])
     assert given == {'lr', 'double_dqn', 'seed'}
     # A flag given at its default value is still given (an explicit choice).
-    assert flags.given_flags(parser, ['--gamma', '0.99']) == {'gamma'}
+    assert given_flags(parser, ['--gamma', '0.99']) == {'gamma'}
     assert parser.parse_args([]).lr == 1e-3  # the parser itself keeps its defaults
+    args, given, table = flags.parse(parser, ['--lr', '1e-3'], lambda typed: {'lr': typed['lr']})
+    assert args.gamma == 0.99 and given == {'lr'} and table == {'lr': [0.001]}
 
 
 # ---------------------------------------------------------------------------
@@ -501,7 +507,7 @@ def test_help_shows_each_constraint(script, capsys):
 def test_every_int_field_declares_its_bounds(script):
     """Counts and sizes all state their range (floats are at least finite)."""
     module = __import__(script)
-    kinds = common._field_kinds(module.Config)
+    kinds = common.field_kinds(module.Config)
     for field in dataclasses.fields(module.Config):
         kind = kinds[field.name][0]
         if kind is int:
@@ -550,7 +556,7 @@ def test_take_saved_config_fills_in_what_the_command_line_left_out():
              'gamma': 0.9, 'grid': {'lr': [0.01, 0.003]}, 'seed': 7, 'num_seeds': 2}
     argv = ['--gamma', '0.95', '--output-dir', 'x']
     args = parser.parse_args(argv)
-    args.given, args.only_eval = flags.given_flags(parser, argv), False
+    args.given, args.only_eval = given_flags(parser, argv), False
     flags.take_saved_config(TinyConfig, args, saved)
     config, grid = flags.config_and_grid(TinyConfig, args)
     assert config == TinyConfig(env='Acrobot-v1', max_slice_length=4, double_dqn=False,
