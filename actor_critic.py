@@ -52,8 +52,40 @@ import common
 import policies
 
 
-POLICY_LOSSES = ('a2c', 'ppo', 'awr')
 ESTIMATORS = ('monte_carlo', 'td_k', 'td_lambda', 'gae')
+
+
+# ---------------------------------------------------------------------------
+# The policy objectives: --policy-loss NAME picks POLICY_OBJECTIVES[NAME], a
+# pure function (log_probs, old_log_probs, adv, weight, hp) -> (loss to
+# minimise, metrics) over a minibatch (steps [N] or sequences [B, L]): adv is
+# the advantage (normalised if asked), old_log_probs the collecting policy's
+# (zeros for AWR, which replays), weight 0 on padding, hp the run's traced
+# hyperparameters. The entropy bonus is subtracted around it. A new objective
+# is one function and one entry (docs/actor_critic.md: a KL penalty).
+# ---------------------------------------------------------------------------
+
+
+def a2c_objective(log_probs, old_log_probs, adv, weight, hp):
+    return a2c_loss(log_probs, adv, weight), {}
+
+
+def ppo_objective(log_probs, old_log_probs, adv, weight, hp):
+    """PPO's clipped ratio, with how many ratios were clipped and the KL estimate."""
+    ratio = jnp.exp(log_probs - old_log_probs)
+    return ppo_loss(log_probs, old_log_probs, adv, weight, hp['epsilon']), {
+        'metrics/clip_fraction': masked_mean(
+            (jnp.abs(ratio - 1.0) > hp['epsilon']).astype(jnp.float32), weight),
+        'metrics/approx_kl': masked_mean(old_log_probs - log_probs, weight)}
+
+
+def awr_objective(log_probs, old_log_probs, adv, weight, hp):
+    return awr_loss(log_probs, adv, weight, hp['beta'], hp['w_max']), awr_metrics(
+        awr_weights(adv, hp['beta'], hp['w_max']), weight)
+
+
+POLICY_OBJECTIVES = {'a2c': a2c_objective, 'ppo': ppo_objective, 'awr': awr_objective}
+OFF_POLICY = ('awr',)  # objectives that take no old_log_probs: they train on a replay
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,7 +126,8 @@ class Config:
         0.01, 'loss -= this * mean policy entropy (Trax: 0.01)', sweep=True, bounds='[0, inf)')
     policy_loss: str = common.option(
         'ppo', 'a2c, ppo or awr (Trax A2C, PPO, AWR); REINFORCE is pg.py. a2c and awr '
-        'bring their own settings (--policy-loss a2c --help lists them)', choices=POLICY_LOSSES)
+        'bring their own settings (--policy-loss a2c --help lists them); '
+        'actor_critic.POLICY_OBJECTIVES holds them', choices=POLICY_OBJECTIVES)
     n_replay_epochs: int = common.option(
         1, 'the value and policy passes train on the last this many epochs\' steps (Trax: 1; '
         'more only for the off-policy awr, as Trax asserts)', bounds='[1, inf)')
@@ -680,27 +713,17 @@ def awr_metrics(weights, weight):
 
 
 def policy_objective(spec, params, batch, hp):
-    """(the A2C, PPO or AWR loss minus the entropy bonus, metrics) on a minibatch."""
+    """(the --policy-loss objective minus the entropy bonus, metrics) on a minibatch."""
     log_probs, entropy = policies.log_prob_and_entropy(
         spec.policy, params, batch['obs'], batch['action'], sequence_memory(batch))
     adv, old_log_probs, weight = (batch[name] for name in ('adv', 'old_log_probs', 'weight'))
     if spec.config.normalize_advantages:  # per minibatch, as Trax's policy loss layer
         adv = normalized_advantages(adv, weight, hp['advantage_normalization_factor'],
                                     hp['advantage_normalization_epsilon'])
-    metrics = {}
-    if spec.config.policy_loss == 'awr':
-        policy_loss = awr_loss(log_probs, adv, weight, hp['beta'], hp['w_max'])
-        metrics.update(awr_metrics(awr_weights(adv, hp['beta'], hp['w_max']), weight))
-    elif spec.config.policy_loss == 'ppo':
-        policy_loss = ppo_loss(log_probs, old_log_probs, adv, weight, hp['epsilon'])
-        ratio = jnp.exp(log_probs - old_log_probs)
-        metrics['metrics/clip_fraction'] = masked_mean(
-            (jnp.abs(ratio - 1.0) > hp['epsilon']).astype(jnp.float32), weight)
-        metrics['metrics/approx_kl'] = masked_mean(old_log_probs - log_probs, weight)
-    else:
-        policy_loss = a2c_loss(log_probs, adv, weight)
+    policy_loss, metrics = POLICY_OBJECTIVES[spec.config.policy_loss](
+        log_probs, old_log_probs, adv, weight, hp)
     mean_entropy = masked_mean(entropy, weight)
-    metrics.update({'metrics/policy_loss': policy_loss, 'metrics/entropy': mean_entropy})
+    metrics = {**metrics, 'metrics/policy_loss': policy_loss, 'metrics/entropy': mean_entropy}
     return policy_loss - hp['entropy_coeff'] * mean_entropy, metrics
 
 
@@ -729,7 +752,7 @@ def policy_chunks(spec, hp, state, key):
     # The collecting policy's log-probs (Trax keeps its dist_inputs in the
     # trajectory): the policy has not changed since it collected (PPO and A2C
     # replay one epoch, the latest; AWR does not use them).
-    data['old_log_probs'] = (jnp.zeros_like(adv) if spec.config.policy_loss == 'awr' else
+    data['old_log_probs'] = (jnp.zeros_like(adv) if spec.config.policy_loss in OFF_POLICY else
                              jax.lax.stop_gradient(policies.log_prob_and_entropy(
                                  spec.policy, state.params, data['obs'], data['action'],
                                  sequence_memory(data))[0]))
@@ -923,7 +946,7 @@ def check_runs(config: Config, runs):
     if estimator in ('td_k', 'td_lambda', 'gae') and config.added_policy_slice_length < 1:
         raise error(f'--advantage-estimator {estimator} needs --added-policy-slice-length >= 1 '
                     '(with 0 it looks no step ahead: td_k has no k, td_lambda and gae give 0)')
-    if config.n_replay_epochs > 1 and config.policy_loss != 'awr':
+    if config.n_replay_epochs > 1 and config.policy_loss not in OFF_POLICY:
         raise error(f'--n-replay-epochs {config.n_replay_epochs} needs the off-policy '
                     f'--policy-loss awr: {config.policy_loss} trains on the policy that '
                     'collected its steps (Trax asserts 1 for it too)')

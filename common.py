@@ -539,7 +539,8 @@ def option(default, help, sweep=False, bounds=None, choices=None, aliases=()):
     interval such as '[1, inf)' or '(0, 1]' that every value must lie in (each
     tuple entry, each sweep value); an int must fit int32 anyway, and a float
     must be finite unless its bounds close on inf ('[0, inf]'). `choices`:
-    the allowed strings. `aliases`: other flag names (Trax's, where ours differ).
+    the allowed strings, or a registry dict whose keys they are (an entry
+    added later is a choice too). `aliases`: other flag names (Trax's, where ours differ).
     """
     if bounds is not None:
         Bounds.parse(bounds)  # a malformed interval fails at import, not at run time

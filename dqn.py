@@ -40,7 +40,36 @@ import optax
 
 import common
 
-ESTIMATORS = ('td_k', 'td_lambda', 'monte_carlo')
+
+
+# ---------------------------------------------------------------------------
+# The targets: --advantage-estimator NAME picks TARGETS[NAME], a pure function
+# (spec, hp, params, target_params, batch) -> y [batch], the regression target
+# of Q(obs, action) in Q units. A batch holds replay rows: obs, action and
+# either an n-step transition (reward_sum, bootstrap_obs, bootstrap_discount)
+# or, for a target of `replayed_target`, the `target` replay_targets stored.
+# A new target is one function and one entry here (docs/dqn.md: Munchausen).
+# ---------------------------------------------------------------------------
+
+
+def n_step_target(spec, hp, params, target_params, batch):
+    """td_k: y = R + discount * Q_target(s', a*), a* = argmax of the online net
+    (double DQN) or of the target net, over the batch's n-step transitions."""
+    q_next_target = q_values(spec, target_params, batch['bootstrap_obs'], hp)
+    q_next_online = q_values(spec, params, batch['bootstrap_obs'], hp) \
+        if spec.config.double_dqn else q_next_target
+    return td_targets(q_next_target, q_next_online, batch['reward_sum'],
+                      batch['bootstrap_discount'], spec.config.double_dqn)
+
+
+def replayed_target(spec, hp, params, target_params, batch):
+    """td_lambda, monte_carlo: the target replay_targets stored for the row at
+    the epoch's start (common.py's estimators over each env's slice)."""
+    return batch['target']
+
+
+TARGETS = {'td_k': n_step_target, 'td_lambda': replayed_target,
+           'monte_carlo': replayed_target}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,7 +104,7 @@ class Config:
         'max_slice_length - 1); td_lambda, lambda-returns (Q(lambda), as PQN); monte_carlo, '
         'returns to the episode\'s or the block\'s end; the last two by common.py\'s '
         'estimators over each env\'s slice of each replayed epoch, refreshed each epoch '
-        'from the target net', choices=ESTIMATORS)
+        'from the target net; dqn.TARGETS holds them', choices=TARGETS)
     lambda_: float = common.option(
         0.95, 'td_lambda\'s lambda (Trax\'s estimators\' lambda_: 0.95; PQN on MinAtar: '
         '0.65)', sweep=True, bounds='[0, 1]')
@@ -165,7 +194,7 @@ class Spec:
     steps: int  # steps of each env per epoch
     block_size: int  # replay rows per epoch: n_envs * steps
     n_step: int  # max_slice_length - 1 (td_k), else 1: one-step rows
-    estimator_targets: bool  # td_lambda or monte_carlo: targets from replay_targets
+    estimator_targets: bool  # a replayed_target's (td_lambda, monte_carlo): replay_targets' rows
     chunk_steps: int  # gradient steps per metrics chunk
     total_train_steps: int  # the learning-rate schedule's length
     eval_tags: tuple  # ((temperature, horizon), ...) evaluated each epoch
@@ -489,15 +518,7 @@ def store(spec, hp, replay, epoch, records):
 
 
 def loss_fn(spec, params, target_params, batch, hp):
-    if 'target' in batch:  # the estimators' targets, refreshed at the epoch's start
-        target = batch['target']
-    else:
-        double_dqn = spec.config.double_dqn
-        q_next_target = q_values(spec, target_params, batch['bootstrap_obs'], hp)
-        q_next_online = q_values(spec, params, batch['bootstrap_obs'], hp) if double_dqn \
-            else q_next_target
-        target = td_targets(q_next_target, q_next_online, batch['reward_sum'],
-                            batch['bootstrap_discount'], double_dqn)
+    target = TARGETS[spec.config.advantage_estimator](spec, hp, params, target_params, batch)
     # The loss sees values in network units: Q / scale.
     q = q_values(spec, params, batch['obs'], hp)
     q_taken = jnp.take_along_axis(q, batch['action'][:, None], axis=-1)[:, 0]
@@ -607,7 +628,7 @@ def make_agent(config: Config, given=None) -> common.Agent:
     torso = common.resolve_torso(config.torso, obs_shape)
     if torso == 'conv':
         common.conv_output_shape(obs_shape, config.conv_channels)  # refuses too small
-    estimator_targets = config.advantage_estimator != 'td_k'
+    estimator_targets = TARGETS[config.advantage_estimator] is replayed_target
     n_step = 1 if estimator_targets else config.max_slice_length - 1
     fresh_episodes = bool(config.n_trajectories_per_epoch)
     if fresh_episodes:
@@ -727,7 +748,8 @@ def check_runs(config: Config, runs):
                     f'divisible by --evals-per-epoch ({config.evals_per_epoch})')
     if not config.conv_channels:
         raise error('--conv-channels needs at least one layer')
-    if config.advantage_estimator != 'td_k' and config.n_trajectories_per_epoch:
+    if TARGETS[config.advantage_estimator] is replayed_target and \
+            config.n_trajectories_per_epoch:
         raise error(f'--advantage-estimator {config.advantage_estimator} needs each env\'s '
                     'steps in order in the replay: use --n-interactions-per-epoch (not '
                     '--n-trajectories-per-epoch, whose blocks keep only the valid rows)')
@@ -745,11 +767,11 @@ def check_runs(config: Config, runs):
 
 def inert_fields(config):
     """{field: why it cannot act} of DQN's own fields (common.check_inert)."""
-    if config.advantage_estimator == 'td_k':
+    if TARGETS[config.advantage_estimator] is not replayed_target:
         return {}
-    return {'max_slice_length': f'acts with --advantage-estimator td_k only: '
-            f'{config.advantage_estimator} targets are computed over whole slices of '
-            'one-step rows'}
+    return {'max_slice_length': f'has no effect with --advantage-estimator '
+            f'{config.advantage_estimator}: its targets run over whole slices of one-step '
+            'rows (it sets the n of td_k\'s n-step rows)'}
 
 
 def check_block_length(n_step, steps):

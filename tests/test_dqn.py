@@ -848,8 +848,10 @@ def test_probe_truncation_bootstraps():
 @pytest.mark.parametrize('estimator', ['td_lambda', 'monte_carlo'])
 def test_probe_estimator_targets_bootstrap_through_truncation(estimator):
     """The truncation probe (Q = 2) with the estimators' targets over the
-    replayed slices: lambda 0.65, as PQN's."""
-    config, params = train_probe('truncation', advantage_estimator=estimator, lambda_=0.65)
+    replayed slices: lambda 0.65, as PQN's (make_agent refuses a lambda that
+    cannot act, as the command line does)."""
+    lambda_ = {'lambda_': 0.65} if estimator == 'td_lambda' else {}
+    config, params = train_probe('truncation', advantage_estimator=estimator, **lambda_)
     np.testing.assert_allclose(q_of(config, params, [[0.0]]), [[2.0, 2.0]],
                                atol=PROBE_TOLERANCE)
 
