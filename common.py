@@ -1,14 +1,10 @@
 """What every algorithm file (dqn.py, pg.py, actor_critic.py) shares: Trax's
-advantage estimators and its `remaining_evals` helper, gymnax envs by name,
-the MLP and conv networks, `multifactor` schedules, config fields (`option`)
-and their checks, the `Agent` record, `run_sweep` (seeds x a grid of
-hyperparameters in one compiled program) and a plain command line.
-
-Copy this file with an algorithm file (and policies.py for pg.py or
-actor_critic.py) and you have the whole algorithm, runnable as
-`python dqn.py --seed 0`; the full command line (checkpoints, resume,
-TensorBoard, sweeps, processes) is the `harness` package, used when present.
-Importing this file compiles nothing.
+advantage estimators and `remaining_evals`, gymnax envs by name, the MLP and
+conv networks, `multifactor` schedules, config fields and their checks, the
+`Agent` record, `run_sweep` (seeds x a grid in one compiled program) and the
+plain command line that runs an algorithm file copied with this one alone
+(harness/ adds checkpoints, resume, TensorBoard, processes). Importing this
+file compiles nothing.
 """
 
 import dataclasses
@@ -195,9 +191,7 @@ def remaining_evals(cur_step, epoch, train_steps_per_epoch, evals_per_epoch):
     return evals_per_epoch - done_steps_this_epoch // train_steps_per_eval
 
 
-# ---------------------------------------------------------------------------
-# Environments.
-# ---------------------------------------------------------------------------
+# Environments ---------------------------------------------------------------
 
 
 class UsageError(ValueError):
@@ -217,9 +211,8 @@ class _ImportOnUse(types.ModuleType):
 
 def make_env(name, max_steps=None):
     """A gymnax env and its params by registered name; `max_steps` caps episodes."""
-    # gymnax imports seaborn and matplotlib.pyplot at module level, only to
-    # render; they (with scipy and pandas) take a second to import, so they
-    # load when first used instead.
+    # gymnax imports seaborn and matplotlib.pyplot only to render; they (with
+    # scipy and pandas) take a second to import, so they load when first used.
     for module in ('matplotlib.pyplot', 'seaborn'):
         sys.modules.setdefault(module, _ImportOnUse(module))
     import gymnax  # imported here so `import common` stays fast
@@ -243,12 +236,9 @@ def make_env(name, max_steps=None):
 
 
 def step_first_episode(env, key, state, action, env_params):
-    """`env.step` without gymnax's auto-reset, for rollouts that use only each
-    env's first episode (evaluation, fresh-episode collection): the reset
-    that `env.step` computes every step is never used there, and it is most
-    of a step's cost and compile time. Same outputs until the episode ends
-    (the step's key is split as `env.step` splits it).
-    """
+    """`env.step` without gymnax's auto-reset (most of a step's cost and compile
+    time), for rollouts that use each env's first episode only: the same
+    outputs until the episode ends (the key split as `env.step` splits it)."""
     step_key, _ = jax.random.split(key)
     obs, state, reward, terminated, info = env.step_env(step_key, state, action, env_params)
     truncated = env.is_truncated(state, env_params)
@@ -258,10 +248,8 @@ def step_first_episode(env, key, state, action, env_params):
 def space_kind(space):
     """'discrete' or 'box' for a gymnax space; anything else is refused."""
     kind = type(space).__name__
-    if kind == 'Discrete':
-        return 'discrete'
-    if kind == 'Box':
-        return 'box'
+    if kind in ('Discrete', 'Box'):
+        return kind.lower()
     raise UsageError(f'action space {kind} is not supported (only Discrete and Box)')
 
 
@@ -269,19 +257,13 @@ def env_max_steps(env_params):
     return int(getattr(env_params, 'max_steps_in_episode', 1000))
 
 
-# ---------------------------------------------------------------------------
-# Networks: a plain MLP over a params pytree (Trax's MLP: Dense + Relu).
-# ---------------------------------------------------------------------------
+# Networks: a plain MLP over a params pytree (Trax's MLP: Dense + Relu) ------
 
 
 def init_mlp(key, sizes, last_scale=1.0, layer_norm=False):
-    """[{'w', 'b'}] for layer sizes [in, hidden..., out].
-
-    Glorot-uniform weights (Trax's Dense default) and zero biases; the last
-    layer's weights are multiplied by `last_scale` (small for policy heads).
-    `layer_norm` gives each hidden layer a LayerNorm's 'scale' (ones) and
-    'offset' (zeros); without it the params are exactly as before.
-    """
+    """[{'w', 'b'}] for layer sizes [in, hidden..., out]: Glorot-uniform weights
+    (Trax's Dense default), the last layer's times `last_scale`, zero biases;
+    `layer_norm`: each hidden layer's LayerNorm 'scale' (ones), 'offset' (zeros)."""
     params = []
     keys = jax.random.split(key, len(sizes) - 1)
     for i, (key_i, fan_in, fan_out) in enumerate(zip(keys, sizes[:-1], sizes[1:])):
@@ -320,8 +302,7 @@ def mlp(params, x):
 
 def mlp_hidden(params, x):
     """The features an MLP's last layer reads: every layer but the last, each
-    followed by its LayerNorm if it has one, then ReLU (x itself for an MLP
-    with no hidden layer)."""
+    followed by its LayerNorm if it has one, then ReLU."""
     check_args(chex.assert_rank, 'mlp', 2, **{f'params[{i}]["w"]': layer['w']
                                               for i, layer in enumerate(params)})
     check_args(chex.assert_rank, 'mlp', 1, **{f'params[{i}]["b"]': layer['b']
@@ -332,13 +313,9 @@ def mlp_hidden(params, x):
     return x
 
 
-# ---------------------------------------------------------------------------
-# Conv torso for image observations ([..., H, W, C], e.g. MinAtar's 10x10xC
-# grids): the MinAtar paper's network (Young & Tian 2019) is one 3x3 conv of
-# 16 channels, stride 1, no padding, ReLU, flatten, then the MLP (dense 128).
-# A network is then {'conv': [{'w', 'b'}], 'mlp': init_mlp(...)}; an MLP-only
-# network stays init_mlp's plain list.
-# ---------------------------------------------------------------------------
+# The conv torso for [..., H, W, C] observations, the MinAtar paper's (Young &
+# Tian 2019): 3x3 convs, stride 1, no padding, ReLU, flatten, then the MLP; a
+# network is {'conv': [{'w', 'b'}], 'mlp': init_mlp(...)}, an MLP-only one a list.
 
 TORSOS = ('auto', 'mlp', 'conv')
 
@@ -383,21 +360,13 @@ def init_conv(key, in_channels, channels, kernel=3, layer_norm=False):
 
 
 def conv(params, x, stride=1):
-    """Conv layers made by init_conv, each followed by its LayerNorm if it has
-    one, then ReLU, on [..., H, W, C];
-    returns the features flattened, [..., H' * W' * C'].
-
-    Written as im2col: the k * k shifted views of the input (slices, so exact
-    copies) side by side, then one matmul with the kernel. Slices cost a
-    tenth of `lax.conv_general_dilated_patches` on XLA CPU (a 512 x 10 x 10 x 4
-    MinAtar batch: 5 ms against 58 ms forward, 15 ms against 56 ms with the
-    gradient). It equals `lax.conv_general_dilated` up to float rounding, but
-    stays bitwise the same for a run alone, in a grid or sharded (see
-    compiler_options): vmap turns a per-run kernel in `conv_general_dilated`
-    into a grouped convolution over the runs, whose kernel gradient XLA CPU
-    sums in another order for 8 runs than for 1, while the matmul is
-    YNNPACK's, which does not.
-    """
+    """init_conv's layers (each with its LayerNorm if any, then ReLU) on
+    [..., H, W, C] -> features [..., H' * W' * C']. As im2col: the k * k
+    shifted views (exact slices) side by side, then one matmul, a tenth of
+    `conv_general_dilated_patches`' time on XLA CPU and, unlike
+    `conv_general_dilated` (a grouped convolution once vmapped, whose kernel
+    gradient sums in another order for 8 runs than for 1), bitwise the same
+    for a run alone, in a grid or sharded."""
     batch_shape = x.shape[:-3]
     x = x.reshape((-1,) + x.shape[-3:])
     n = x.shape[0]
@@ -411,9 +380,8 @@ def conv(params, x, stride=1):
     return x.reshape(batch_shape + (-1,))
 
 
-# Batches past this many observations go through the conv layers in chunks of
-# it: a 4096-observation MinAtar rollout took 126 ms in one piece (its patches,
-# 37 MB, fall out of the cache) and 23 ms in chunks of 512, bitwise the same.
+# Larger batches go through the conv layers in chunks of this many: a 4096-step
+# MinAtar rollout took 126 ms whole (37 MB of patches) and 23 ms in chunks.
 CONV_CHUNK = 512
 
 
@@ -472,10 +440,7 @@ def network_head(params, features):
     return features @ last['w'] + last['b']
 
 
-# ---------------------------------------------------------------------------
-# Schedules: Trax's lr.multifactor, written in jnp so `constant` (and the
-# others) may be traced per-run hyperparameters in a vmapped sweep.
-# ---------------------------------------------------------------------------
+# Schedules: Trax's lr.multifactor in jnp, its values traceable per run ------
 
 SCHEDULE_FACTORS = ('constant', 'linear_warmup', 'rsqrt_decay', 'decay_every',
                     'linear_decay')
@@ -497,12 +462,9 @@ def schedule_factors(factors):
 def multifactor(factors='constant * linear_warmup * rsqrt_decay', constant=0.1,
                 warmup_steps=400, decay_factor=0.5, steps_per_decay=20000,
                 minimum=0.0, total_steps=1):
-    """step -> value, the product of the named factors, floored at `minimum`.
-
-    Trax's factors; `linear_decay` (1 -> 0 over `total_steps`) is ours, added
-    because annealing the learning rate makes the final policy stable. The
-    result is an optax schedule (any callable count -> value is one).
-    """
+    """step -> value (an optax schedule): the product of the named factors,
+    floored at `minimum`. Trax's factors, and ours `linear_decay` (1 -> 0 over
+    `total_steps`): annealing the learning rate makes the final policy stable."""
     names = schedule_factors(factors)
 
     def schedule(step):
@@ -524,24 +486,16 @@ def multifactor(factors='constant * linear_warmup * rsqrt_decay', constant=0.1,
     return schedule
 
 
-# ---------------------------------------------------------------------------
-# Config fields: each algorithm's Config is a frozen dataclass whose fields
-# carry their help line and constraint. check_grid applies them, and the
-# algorithm's cross-field rules, for every caller: the harness, plain_main
-# and Python alike, so all refuse the same values with the same message.
-# ---------------------------------------------------------------------------
+# Config fields carry their help and constraint; check_grid applies them and an
+# algorithm's cross-field rules for every caller (harness, plain_main, Python).
 
 
 def option(default, help, sweep=False, bounds=None, choices=None, aliases=()):
-    """A config field with its --help line and its constraint.
-
-    `sweep`: the flag takes a comma list (a grid over runs). `bounds`: an
-    interval such as '[1, inf)' or '(0, 1]' that every value must lie in (each
-    tuple entry, each sweep value); an int must fit int32 anyway, and a float
-    must be finite unless its bounds close on inf ('[0, inf]'). `choices`:
-    the allowed strings, or a registry dict whose keys they are (an entry
-    added later is a choice too). `aliases`: other flag names (Trax's, where ours differ).
-    """
+    """A config field with its --help line and constraint. `sweep`: a comma list
+    is a grid over runs. `bounds`: an interval, '[1, inf)', '(0, 1]', for every
+    value (ints fit int32 anyway; floats are finite unless it closes on inf).
+    `choices`: the allowed strings, or a registry dict of them (live).
+    `aliases`: other flag names (Trax's, where ours differ)."""
     if bounds is not None:
         Bounds.parse(bounds)  # a malformed interval fails at import, not at run time
     return dataclasses.field(default=default, metadata={
@@ -691,54 +645,41 @@ def as_float32(value):
         return float(np.float32(value))
 
 
-def float32_values(config, grid, names):
-    """(config, grid) with the float fields in `names` as float32 holds them
-    (each tuple entry and sweep value): the values the compiled program sees."""
+def float32_values(config, grid):
+    """(config, grid) with every float (each tuple entry and sweep value) as
+    float32 holds it: the values the compiled program sees."""
     kinds = field_kinds(type(config))
 
     def cast(name, value):
         if value is None or kinds[name][0] is not float:
             return value
         return tuple(map(as_float32, value)) if kinds[name][1] else as_float32(value)
-    grid = {name: [cast(name, value) for value in values] if name in names else values
-            for name, values in (grid or {}).items()}
-    return dataclasses.replace(config, **{name: cast(name, getattr(config, name))
-                                          for name in names}), grid
+    return (dataclasses.replace(config, **{name: cast(name, getattr(config, name))
+                                           for name in kinds}),
+            {name: [cast(name, v) for v in values] for name, values in (grid or {}).items()})
 
 
 def check_grid(config, grid, check_runs):
     """What the command line checks before compiling, for every caller: each
     field's type and constraint (check_fields), then the algorithm's
     cross-field rules on every run (`check_runs(config, runs)`); both again
-    on the values as float32 holds them, which may round onto a bound or out
-    of range (--gamma 0.99999999 is 1, --lr 1e300 inf, 1e-50 0): refused,
-    naming what the value becomes."""
+    on the values float32 holds, which may round onto a bound or out of
+    range (--gamma 0.99999999 is 1, --lr 1e300 inf): refused, naming them."""
     def check(config, grid):
         check_fields(config, grid)
         check_runs(config, expand_runs(config, grid, 0, 1))
     check(config, grid)
-    kinds = field_kinds(type(config))
-    floats = [name for name, (kind, _, _) in kinds.items() if kind is float]
     try:
-        check(*float32_values(config, grid, floats))
+        check(*float32_values(config, grid))
     except UsageError as error:
-        def moved(name):  # each value given for the field that float32 visibly moves
-            values = (grid or {}).get(name, [getattr(config, name)])
-            entries = [e for v in values if v is not None for e in (v if kinds[name][1] else (v,))]
-            return [(e, as_float32(e)) for e in entries if float(f'{as_float32(e):.7g}') != e]
-
-        def fails_alone(name):
-            try:
-                check(*float32_values(config, grid, [name]))
-            except UsageError:
-                return True
-            return False
-        culprits = [n for n in floats if moved(n) and fails_alone(n)] or \
-            [n for n in floats if moved(n)]
-        said = ', '.join(f'{flag(name)} {entry!r} is {value:g}'
-                         for name in culprits for entry, value in moved(name))
+        kinds = field_kinds(type(config))
+        entries = [(name, e) for name, (kind, is_tuple, _) in kinds.items() if kind is float
+                   for v in (grid or {}).get(name, [getattr(config, name)]) if v is not None
+                   for e in (v if is_tuple else (v,))]
+        moved = ', '.join(f'{flag(name)} {e!r} is {as_float32(e):g}' for name, e in entries
+                          if float(f'{as_float32(e):.7g}') != e)
         raise UsageError(f'{error} (in float32, the precision the program computes in: '
-                         f'{said})') from None
+                         f'{moved})') from None
 
 
 def check_inert(config, inert, given=None):
@@ -779,22 +720,15 @@ def shared_inert(config, torso, env_params):
     return inert
 
 
-# ---------------------------------------------------------------------------
-# The agent record and runs: an algorithm is pure per-run functions; runs are
-# seeds x a grid of sweepable hyperparameters, vmapped in one program.
-# ---------------------------------------------------------------------------
+# The agent record and runs: seeds x a grid of hyperparameters, vmapped ------
 
 
 @dataclasses.dataclass
 class Agent:
-    """An algorithm as pure per-run functions (hp = that run's hyperparameters).
-
-    init(key, hp) -> state; collect/train/evaluate(hp, state) -> (state, metrics).
-    `state.params` must hold the network parameters and `state.train_step` the
-    gradient-step counter. `spec` is the static record make_agent derived
-    from the config (env, shapes, modes, sizes), which the algorithm's
-    module-level functions take as their first argument.
-    """
+    """An algorithm as pure per-run functions (hp: the run's hyperparameters):
+    init(key, hp) -> state; collect/train/evaluate(hp, state) -> (state,
+    metrics); `state.params` and `state.train_step` must exist. `spec`: the
+    static record make_agent derived, its module functions' first argument."""
     name: str
     init: typing.Callable
     collect: typing.Callable
@@ -809,9 +743,8 @@ class Agent:
     obs_shape: tuple = ()  # one observation's
 
     def batched(self, name):
-        """jit(vmap(phase `name`)) over a leading runs axis, made once per
-        agent: jit caches its trace, so the memory estimate, the chunk's
-        metric shapes and the chunk itself trace each phase once."""
+        """jit(vmap(phase `name`)) over a leading runs axis, made once per agent,
+        so each phase is traced once (memory estimate, metric shapes, chunk)."""
         cache = self.__dict__.setdefault('_batched', {})
         if name not in cache:
             cache[name] = jax.jit(jax.vmap(getattr(self, name)))
@@ -824,18 +757,15 @@ class Agent:
         return state, {**collect_metrics, **train_metrics}
 
     def epoch(self, hp, state):
-        """One whole epoch, collect -> train -> evaluate, as one pure function:
-        (state, metrics), jittable, vmappable and scannable over epochs."""
+        """collect -> train -> evaluate, one pure function of (hp, state)."""
         state, metrics = self.learn(hp, state)
         state, eval_metrics = self.evaluate(hp, state)
         return state, {**metrics, **eval_metrics}
 
 
 def evaluation_key(state):
-    """This evaluation's key: the run's evaluation stream (`state.eval_key`,
-    split off at init) folded with the epoch. Training never draws from it and
-    it is never advanced, so how often a run evaluates cannot change how it
-    trains, and an epoch's evaluation is the same whenever it is run."""
+    """The run's evaluation stream (split off at init, never advanced) folded
+    with the epoch: how often a run evaluates never changes how it trains."""
     return jax.random.fold_in(state.eval_key, state.epoch)
 
 
@@ -847,19 +777,12 @@ def eval_key(temperature, steps):
 
 
 def compiler_options(batch_invariant=True):
-    """XLA options for the compiled phases (CPU only; XLA_FLAGS takes precedence).
-
-    LLVM's backend optimisation level 2 instead of XLA's default 3 halves the
-    compile time, which dominates short runs, while these programs (many
-    small kernels) run as fast. `batch_invariant` makes each run's numbers
-    bitwise the same whether it runs alone, in a grid or sharded over
-    devices: it turns off XLA's YNNPACK elementwise and reduction fusions,
-    which pick other kernels (other rounding) for another number of runs, and
-    the algebraic simplifier, which reassociates divisions differently in a
-    sharded program. YNNPACK's matmul fusions stay: they are invariant and
-    the fastest (64 CartPole DQN seeds: 16 s with them alone, 17 s with XLA's
-    default fusions, 23 s with none); algsimp costs nothing measurable.
-    """
+    """XLA options for the compiled phases (CPU only; XLA_FLAGS wins). LLVM
+    level 2 halves the compile time for the same speed. `batch_invariant`
+    makes a run's numbers bitwise the same alone, in a grid or sharded: no
+    YNNPACK elementwise and reduction fusions (other kernels for another
+    number of runs; its matmuls are invariant and the fastest) and no
+    algebraic simplifier (it reassociates divisions in a sharded program)."""
     if jax.default_backend() != 'cpu':
         return None
     flags = os.environ.get('XLA_FLAGS', '')
@@ -920,18 +843,12 @@ def params_finite(params):
 
 
 def run_epochs(agent, length, hp, state, start, n, epochs, eval_every):
-    """Epochs start+1 .. start+n (n <= length) of every run as one compiled
-    loop: learn (collect -> train) each epoch and evaluate the due ones.
-
-    hp and state carry a leading runs axis; start, n, epochs and eval_every
-    are int32 scalars, traced, so one compiled program serves every chunk of
-    a run: splitting a run into chunks of any sizes gives bitwise the same
-    numbers. Evaluation sits under a `lax.cond` outside the vmap, so epochs
-    not due skip it. Returns (state, metrics {name: [n_runs, length]},
-    finite [n_runs, length]): entries past n are zeros, evaluation figures
-    NaN in epochs not evaluated; finite says the parameters were finite
-    after each epoch (the NaN guard).
-    """
+    """Epochs start+1 .. start+n (n <= length) of every run in one compiled
+    loop: learn each epoch, evaluate the due ones (a `lax.cond` outside the
+    vmap). The ints are traced, so one program serves every chunk and any
+    split of a run into chunks gives bitwise the same numbers. -> (state,
+    metrics {name: [n_runs, length]}, NaN where not evaluated, finite
+    [n_runs, length]: were the parameters finite after each epoch)."""
     learn, evaluate = agent.batched('learn'), agent.batched('evaluate')
     learnt_shapes = jax.eval_shape(learn, hp, state)[1]
     eval_shapes = jax.eval_shape(evaluate, hp, state)[1]
@@ -957,43 +874,43 @@ def run_epochs(agent, length, hp, state, start, n, epochs, eval_every):
 
 def run_sweep(agent, config, seed=0, num_seeds=1, grid=None, epochs=None,
               batch_invariant=True):
-    """Run `num_seeds` seeds (seed, seed + 1, ...) x every point of `grid`
-    ({sweepable field: [values]}) for `epochs` epochs (default: config.epochs)
-    as one compiled program: init, then `run_epochs` (learn every epoch,
-    evaluate every `evaluation_period(config)`-th and the last), vmapped over
-    the runs and compiled with the command line's XLA options, so each run's
-    numbers are bitwise those of `python <algorithm>.py` with the same flags
-    (its metrics.jsonl, but timings).
-
-    `agent` is `make_agent(config)`. Returns (runs, state, metrics): one dict
-    per run (its seed and hyperparameter values), the final state with a
-    leading runs axis, and {metric: array [epochs, n_runs]}, the evaluation
-    figures NaN in the epochs not evaluated.
-    """
+    """`num_seeds` seeds (seed, seed + 1, ...) x every point of `grid`
+    ({sweepable field: [values]}) for `epochs` (default config.epochs) in one
+    compiled program with the command line's XLA options: each run's numbers
+    are bitwise its metrics.jsonl's. `agent` is make_agent(config). ->
+    (runs: one dict per run, its seed and values; the final state [n_runs,
+    ...]; {metric: [epochs, n_runs]}, NaN in epochs not evaluated)."""
     if config != agent.config:  # another config's agent would mix the two silently
         raise UsageError('run_sweep: `config` is not the one its agent was made from; '
                          'pass make_agent(config)')
     check_grid(config, grid or {}, agent.check_runs)
-    grid = dict(grid or {})
-    runs = expand_runs(config, grid, seed, num_seeds)
-    hp, keys = hyperparameters(config, runs), run_keys(runs)
-    options = compiler_options(batch_invariant)
-    state = agent.batched('init').lower(keys, hp).compile(compiler_options=options)(keys, hp)
-
     epochs = config.epochs if epochs is None else epochs
-    plan = [jnp.int32(value) for value in (0, epochs, epochs, evaluation_period(config))]
-    chunk = jax.jit(functools.partial(run_epochs, agent, epochs))
-    state, metrics, _ = chunk.lower(hp, state, *plan).compile(compiler_options=options)(
-        hp, state, *plan)
+    runs, hp, state, chunk = compiled_runs(agent, config, grid, seed, num_seeds, epochs,
+                                           batch_invariant)
+    state, metrics, _ = chunk(hp, state, *plan(config, 0, epochs, epochs))
     return runs, state, {name: values.T for name, values in metrics.items()}
 
 
-# ---------------------------------------------------------------------------
-# The plain command line, `python dqn.py --seed 0` where harness/ is absent
-# (an algorithm file and this one copied alone): every Config field is a
-# flag, and metrics.jsonl is bitwise the full command line's for the same
-# flags. harness/ adds what a long experiment needs.
-# ---------------------------------------------------------------------------
+def compiled_runs(agent, config, grid, seed, num_seeds, length, batch_invariant=True):
+    """-> (runs, hp, initial state, run_epochs of `length` compiled) for
+    seeds x grid, with the command line's XLA options."""
+    runs = expand_runs(config, grid or {}, seed, num_seeds)
+    hp, keys = hyperparameters(config, runs), run_keys(runs)
+    options = compiler_options(batch_invariant)
+    state = agent.batched('init').lower(keys, hp).compile(compiler_options=options)(keys, hp)
+    chunk = jax.jit(functools.partial(run_epochs, agent, length)).lower(
+        hp, state, *plan(config, 0, 1)).compile(compiler_options=options)
+    return runs, hp, state, chunk
+
+
+def plan(config, start, n, epochs=None):
+    """run_epochs' traced ints: epochs start+1 .. start+n of `epochs`."""
+    return [jnp.int32(v) for v in (start, n, epochs or config.epochs,
+                                   evaluation_period(config))]
+
+
+# The plain command line where harness/ is absent: every Config field a flag,
+# metrics.jsonl bitwise the full command line's for the same flags -----------
 
 HARNESS_ADDS = ('no harness/ here, so a plain run that writes metrics.jsonl; copy harness/ '
                 'for checkpoints, resume, TensorBoard, sweeps over devices, processes, plots')
@@ -1122,13 +1039,8 @@ def plain_run(agent, config, grid, seed, num_seeds, output_dir):
     """Seeds x grid in the full command line's compiled programs (init, then
     chunks of epochs, each up to the next evaluation), a progress line per
     chunk; metrics.jsonl rewritten atomically after each. -> the last metrics."""
-    runs = expand_runs(config, grid, seed, num_seeds)
-    hp, keys, options = hyperparameters(config, runs), run_keys(runs), compiler_options()
-    state = agent.batched('init').lower(keys, hp).compile(compiler_options=options)(keys, hp)
     length, period = min(CHUNK_EPOCHS, config.epochs), evaluation_period(config)
-    plan = lambda start, n: [jnp.int32(v) for v in (start, n, config.epochs, period)]  # noqa
-    chunk = jax.jit(functools.partial(run_epochs, agent, length)).lower(
-        hp, state, *plan(0, 1)).compile(compiler_options=options)
+    runs, hp, state, chunk = compiled_runs(agent, config, grid, seed, num_seeds, length)
     output_dir = output_dir or os.path.join(
         'runs', f'{agent.name}_{config.env}_s{seed}_{time.strftime("%Y%m%d-%H%M%S")}')
     os.makedirs(output_dir, exist_ok=True)
@@ -1136,7 +1048,7 @@ def plain_run(agent, config, grid, seed, num_seeds, output_dir):
     tags = {eval_key(*tag) for tag in agent.eval_tags}
     while epoch < config.epochs:
         n, start = min(length, config.epochs - epoch, period - epoch % period), time.time()
-        state, metrics, _ = chunk(hp, state, *plan(epoch, n))
+        state, metrics, _ = chunk(hp, state, *plan(config, epoch, n))
         metrics, seconds = jax.tree.map(np.asarray, metrics), (time.time() - start) / n
         for i in range(n):
             epoch += 1
@@ -1150,15 +1062,20 @@ def plain_run(agent, config, grid, seed, num_seeds, output_dir):
         with open(path + f'.tmp-{os.getpid()}', 'w') as f:
             f.write(''.join(lines))
         os.replace(path + f'.tmp-{os.getpid()}', path)
-        shown = [f'return {np.nanmean(values["rl/avg_return"]):.1f}'] + [
-            f'eval {name[len("rl/avg_return_"):]} {np.nanmean(value):.1f}'
+        shown = [f'return {_mean(values["rl/avg_return"]):.1f}'] + [
+            f'eval {name[len("rl/avg_return_"):]} {_mean(value):.1f}'
             for name, value in evaluated.items()]
         print(f'epoch {epoch}/{config.epochs} | ' + ' | '.join(shown)
               + f' | {seconds:.2f}s/epoch', flush=True)
-    greedy = [v for k, v in evaluated.items() if '_temperature0.00_' in k]
-    print(f'done: {len(runs)} run(s), final greedy return '
-          f'{np.mean(greedy[-1]) if greedy else float("nan"):.1f}, results in {output_dir}')
+    greedy = [v for k, v in evaluated.items() if '_temperature0.00_' in k] or [np.nan]
+    print(f'done: {len(runs)} run(s), final greedy return {_mean(greedy[-1]):.1f}, '
+          f'results in {output_dir}')
     return values
+
+
+def _mean(values):
+    values = np.asarray(values, np.float64)
+    return values[np.isfinite(values)].mean() if np.isfinite(values).any() else np.nan
 
 
 def metric_records(epoch, metrics, runs):

@@ -713,11 +713,14 @@ def test_scale_value_targets_round_trip():
 def test_evaluate_horizons_temperatures():
     """Truncation probe (reward 1 per step, time limit 5): an evaluation episode
     capped at h steps returns min(h, 5) at any temperature; evaluation does not
-    touch the replay or the interaction counters."""
+    touch the replay or the interaction counters. (A horizon past the limit
+    evaluates the same and is refused, by make_agent as by the command line.)"""
+    with pytest.raises(common.UsageError, match='use at most 5'):
+        dqn.make_agent(dqn.Config(env=PROBES['truncation'], eval_steps=(10,), **TINY))
     config = dqn.Config(env=PROBES['truncation'], epochs=1,
                         eval_steps=(3, 10), eval_temperatures=(0.0, 1.0, 0.5),
                         **{**TINY, 'n_eval_episodes': 3})
-    agent = dqn.make_agent(config)
+    agent = dqn.make_agent(config, given={})  # as a command line that typed none of it
     assert sorted(agent.eval_tags) == sorted(
         (t, h) for t in (0.0, 1.0, 0.5) for h in (3, 10))
     hp = single_hp(config)
