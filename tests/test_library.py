@@ -9,6 +9,7 @@ values.
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -103,3 +104,74 @@ def test_run_sweep_gives_the_command_lines_numbers(algo, tmp_path):
                 compared += 1
     assert compared >= 3 * 4 * 5
     assert np.asarray(state.epoch).tolist() == [3] * 4
+
+
+# ---------------------------------------------------------------------------
+# Python refuses what the command line refuses, with its message (issue 36
+# item 4, issue 37 items 8 and 10): make_agent and run_sweep apply the same
+# checks, before anything is compiled.
+# ---------------------------------------------------------------------------
+
+import dqn  # noqa: E402
+import pg  # noqa: E402
+
+# (module, Config fields, the same as flags, the message both give)
+REFUSED = [
+    (dqn, dict(gamma=1.0), ['--gamma', '1'], '--gamma 1 needs --no-scale-value-targets'),
+    (dqn, dict(lr=1e300), ['--lr', '1e300'], '--lr must be finite, got inf (in float32'),
+    (dqn, dict(gamma=0.99999999), ['--gamma', '0.99999999'], '--gamma 0.99999999 is 1'),
+    (dqn, dict(conv_channels=(8,)), ['--conv-channels', '8'],
+     '--conv-channels acts with the conv torso only'),
+    (dqn, dict(advantage_estimator='td_lambda', max_slice_length=3),
+     ['--advantage-estimator', 'td_lambda', '--max-slice-length', '3'],
+     '--max-slice-length has no effect with --advantage-estimator td_lambda'),
+    (dqn, dict(lr_schedule='linear_decay', lr=0.02), ['--lr-schedule', 'linear_decay', '--lr',
+                                                      '0.02'], '--lr has no effect'),
+    (pg, dict(init_log_std=-1.0), ['--init-log-std', '-1'], '--init-log-std acts on Box'),
+    (pg, dict(conv_channels=(4,)), ['--conv-channels', '4'], '--conv-channels acts with'),
+    (pg, dict(gru_size=8), ['--gru-size', '8'], '--gru-size acts with --torso gru only'),
+]
+
+
+@pytest.mark.parametrize('module,fields,flags,message', REFUSED,
+                         ids=[' '.join(flags) for _, _, flags, _ in REFUSED])
+def test_make_agent_refuses_what_the_command_line_refuses(module, fields, flags, message,
+                                                          tmp_path):
+    with pytest.raises(common.UsageError) as refused:
+        module.make_agent(module.Config(**fields))
+    assert message in str(refused.value)
+    cli = subprocess.run([sys.executable, os.path.join(ROOT, f'{module.__name__}.py'), *flags,
+                          '--output-dir', str(tmp_path / 'run')], capture_output=True, text=True,
+                         timeout=120)
+    assert cli.returncode == 2
+    assert cli.stderr.strip() == f'{module.__name__}.py: error: {refused.value}'
+
+
+@pytest.mark.parametrize('fields, needle', [
+    (dict(epochs='50'), "--epochs must be int, got '50'"),
+    (dict(hidden_sizes=64), '--hidden-sizes must be a tuple of int, got 64'),
+    (dict(lr='0.01'), "--lr must be float, got '0.01'"),
+    (dict(double_dqn=1), '--double-dqn must be bool, got 1'),
+    (dict(eval_steps=[100]), '--eval-steps must be a tuple of int'),
+    (dict(n_envs=2 ** 31), '--n-envs must be at most 2147483647 in size (int32)'),
+    (dict(advantage_estimator='td'), '--advantage-estimator must be one of td_k, td_lambda'),
+])
+def test_a_wrong_type_or_value_names_the_field(fields, needle):
+    with pytest.raises(common.UsageError, match=re.escape(needle)):
+        dqn.make_agent(dqn.Config(**fields))
+
+
+def test_run_sweep_refuses_a_bad_grid_and_another_configs_agent():
+    config = dqn.Config(**SMALL['dqn'])
+    agent = dqn.make_agent(config)
+    for grid, needle in [({'lr': 0.01}, "grid['lr'] must be a non-empty list of values"),
+                         ({'lr': []}, "grid['lr'] must be a non-empty list"),
+                         ({'batch_size': [32, 64]}, 'are not sweepable'),
+                         ({'gamma': [0.9, 1.0]}, '--gamma 1 needs --no-scale-value-targets'),
+                         ({'lr': [1e-2, 1e300]}, '--lr 1e+300 is inf'),
+                         ({'lr': [1e-2, '3e-3']}, "--lr must be float, got '3e-3'"),
+                         ([('lr', [0.1])], 'grid must be a dict')]:
+        with pytest.raises(common.UsageError, match=re.escape(needle)):
+            common.run_sweep(agent, config, grid=grid)
+    with pytest.raises(common.UsageError, match='not the one its agent was made from'):
+        common.run_sweep(agent, dqn.Config(**{**SMALL['dqn'], 'gamma': 0.9}))
