@@ -966,6 +966,8 @@ def parse_flags(config_cls, argv):
         if field is None:
             raise UsageError(f'unrecognized argument {arg!r} (--help lists the flags)')
         if kinds.get(field, (None,))[0] is bool:  # --flag / --no-flag
+            if equals:
+                raise UsageError(f'argument {name}: ignored explicit argument {text!r}')
             typed[field] = negated is None
             continue
         if not equals:
@@ -1015,7 +1017,6 @@ def plain_main(config_cls, make_agent, settings, argv=None, mode_field=None):
             print(f'  {flag(f.name)}: {f.metadata["help"]}'
                   + (f' {{{constraint}}}' if constraint else '') + f' (default: {f.default})')
         return {}
-    print(f'{prog}: {HARNESS_ADDS}', file=sys.stderr, flush=True)
     try:
         typed, run = parse_flags(config_cls, argv)
         table = settings(typed) if callable(settings) else settings
@@ -1024,12 +1025,16 @@ def plain_main(config_cls, make_agent, settings, argv=None, mode_field=None):
         if not (1 <= run['num_seeds'] and 0 <= run['seed']
                 and run['seed'] + run['num_seeds'] - 1 <= INT32_MAX):
             raise UsageError(f'--seed and --num-seeds: seeds {run["seed"]}.. must be int32')
+        if run['output_dir'] and os.path.exists(os.path.join(run['output_dir'], 'metrics.jsonl')):
+            raise UsageError(f'--output-dir {run["output_dir"]} holds a run\'s metrics.jsonl: '
+                             'choose another (harness/ resumes runs)')
         agent = make_agent(config, given={**dict.fromkeys(applied, f"{config.env}'s settings"),
                                           **dict.fromkeys(typed)})
         check_grid(config, grid, agent.check_runs)
     except UsageError as error:
         print(f'{prog}: error: {error}', file=sys.stderr, flush=True)
         sys.exit(2)
+    print(f'{prog}: {HARNESS_ADDS}', file=sys.stderr, flush=True)
     if applied:
         print(f'{prog}: settings for {config.env}: {applied}')
     return plain_run(agent, config, grid, **run)
@@ -1045,6 +1050,7 @@ def plain_run(agent, config, grid, seed, num_seeds, output_dir):
         'runs', f'{agent.name}_{config.env}_s{seed}_{time.strftime("%Y%m%d-%H%M%S")}')
     os.makedirs(output_dir, exist_ok=True)
     path, lines, epoch, evaluated = os.path.join(output_dir, 'metrics.jsonl'), [], 0, {}
+    recent = np.full(len(runs), np.nan)  # each run's latest finished episodes' return
     tags = {eval_key(*tag) for tag in agent.eval_tags}
     while epoch < config.epochs:
         n, start = min(length, config.epochs - epoch, period - epoch % period), time.time()
@@ -1059,10 +1065,11 @@ def plain_run(agent, config, grid, seed, num_seeds, output_dir):
             values['timing/epoch'] = np.full(len(runs), seconds)
             lines += [json.dumps(record) + '\n' for record in metric_records(epoch, values, runs)]
             evaluated.update({k: v for k, v in values.items() if k.startswith('rl/avg_return_t')})
+            recent = np.where(np.isfinite(values['rl/avg_return']), values['rl/avg_return'], recent)
         with open(path + f'.tmp-{os.getpid()}', 'w') as f:
             f.write(''.join(lines))
         os.replace(path + f'.tmp-{os.getpid()}', path)
-        shown = [f'return {_mean(values["rl/avg_return"]):.1f}'] + [
+        shown = [f'return {_mean(recent):.1f}'] + [
             f'eval {name[len("rl/avg_return_"):]} {_mean(value):.1f}'
             for name, value in evaluated.items()]
         print(f'epoch {epoch}/{config.epochs} | ' + ' | '.join(shown)

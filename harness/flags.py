@@ -338,6 +338,9 @@ def check_run_flags(args):
         raise common.UsageError(f'--num-seeds must be >= 1, got {args.num_seeds}')
     if not 0 <= args.seed <= common.INT32_MAX - args.num_seeds + 1:
         raise common.UsageError(f'--seed must be in [0, {common.INT32_MAX} - num_seeds + 1], got {args.seed}')
+    every = getattr(args, 'checkpoint_every', None)
+    if every is not None and not 1 <= every <= common.INT32_MAX:
+        raise common.UsageError(f'--checkpoint-every must be >= 1 (and fit int32), got {every}')
     time_limit = getattr(args, 'time_limit', None)
     if time_limit is not None and not 0 < time_limit < float('inf'):
         raise common.UsageError(f'--time-limit must be a number of seconds > 0, got {time_limit:g}')

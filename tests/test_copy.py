@@ -87,7 +87,6 @@ def test_the_copy_refuses_with_the_command_lines_message(argv, tmp_path):
                            '--output-dir', str(tmp_path / 'repo')],
                           cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert plain.returncode == repo.returncode == 2, (plain.stderr, repo.stderr)
-    error = plain.stderr.splitlines()[-1]
-    assert error.startswith('dqn.py: error: ')
-    assert repo.stderr.strip() == error
+    assert plain.stderr.startswith('dqn.py: error: ')
+    assert repo.stderr == plain.stderr and len(plain.stderr.splitlines()) == 1
     assert not os.path.exists(tmp_path / 'repo') and not os.path.exists(folder / 'runs')

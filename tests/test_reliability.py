@@ -384,8 +384,8 @@ def test_out_of_memory_from_xla_is_one_line_status_1_and_keeps_the_checkpoint(
         raise jax.errors.JaxRuntimeError(
             'RESOURCE_EXHAUSTED: Out of memory allocating 123456789 bytes.\nmore detail')
 
-    def make_failing_agent(config):
-        agent = make_agent(config)
+    def make_failing_agent(config, given=None):
+        agent = make_agent(config, given)
         agent.train = exhausted
         return agent
     monkeypatch.setattr(module, 'make_agent', make_failing_agent)
@@ -468,8 +468,8 @@ def test_nan_guard_stops_and_keeps_last_good_checkpoint(algo, cache_dir, tmp_pat
                               '--compile-cache', cache_dir])
     config, grid = flags.config_and_grid(module.Config, args)
 
-    def make_poisoned_agent(config):
-        agent = module.make_agent(config)
+    def make_poisoned_agent(config, given=None):
+        agent = module.make_agent(config, given)
         train = agent.train
 
         def poisoned_train(hp, state):
