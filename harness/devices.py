@@ -244,7 +244,8 @@ def check_same_flags(args):
                          f'{"resumes" if sees[0] else "does not"}; it must be on a filesystem '
                          'every process shares')
     flags = {name: value for name, value in sorted(vars(args).items())
-             if name not in ('process_id', 'compile_cache', 'given', 'sees_saved_run')}
+             if name not in ('process_id', 'compile_cache', 'given', 'set_fields',
+                             'sees_saved_run')}
     overall = _allgather(np.concatenate([[len(flags)], _digest(flags)]).astype(np.uint32))
     if (overall == overall[0]).all():
         return
