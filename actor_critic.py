@@ -989,7 +989,7 @@ def check_mode_fields(config, runs):
                                     '--gamma < 1')
         for name, (mode_field, modes) in MODE_ONLY.items():
             mode = getattr(config, mode_field)
-            value = run.get(name, defaults[name])  # (float32 too: check_as_float32)
+            value = run.get(name, defaults[name])  # (float32 too: common.check_grid)
             if mode not in modes and np.float32(value) != np.float32(defaults[name]):
                 flag, mode_flag = (f'--{f.rstrip("_").replace("_", "-")}'
                                    for f in (name, mode_field))

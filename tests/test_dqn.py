@@ -403,7 +403,8 @@ def test_replay_targets_follow_each_env_through_its_block():
     own steps in order, with the next observations' values of the target net."""
     config = dqn.Config(env=PROBES['counter'], epochs=2, n_replay_epochs=2, gamma=0.5,
                         max_steps=3, advantage_estimator='td_lambda', lambda_=0.7,
-                        double_dqn=False, **{**TINY, 'n_envs': 2, 'n_interactions_per_epoch': 8})
+                        double_dqn=False, **{**TINY, 'n_envs': 2, 'n_interactions_per_epoch': 8,
+                                             'max_slice_length': dqn.Config.max_slice_length})
     agent = dqn.make_agent(config)
     hp = single_hp(config)
     state = jax.jit(agent.init)(jax.random.PRNGKey(0), hp)
