@@ -180,6 +180,7 @@ PPO_JOINT = ''
 GPU_SEEDS, SMOKE_SEEDS = (1, 64, 1024), (2,)  # smoke: few processes (compile is most of it)
 SCAN_SHAPES = ((1024, 16), (1024, 128), (4096, 128), (4096, 1024))  # batch x time
 SMOKE_SCAN_SHAPES = ((64, 16),)
+SCAN_SECONDS = 1.0  # per estimator, shape and scan: the big shapes are slow on CPU
 GpuCase = collections.namedtuple('GpuCase', 'name script flags seeds limit_s smoke_flags')
 
 
@@ -218,7 +219,8 @@ def scan_inputs(batch, length, seed=0):
 
 def time_scans(shapes, repeats):
     """Milliseconds a jitted call of td_lambda and gae takes (median of
-    `repeats`, compile excluded), sequential and associative, per shape."""
+    `repeats`, or of those that fit in SCAN_SECONDS; compile excluded),
+    sequential and associative, per shape."""
     import jax
     import common
     rows = []
@@ -230,7 +232,7 @@ def time_scans(shapes, repeats):
                 call = jax.jit(getattr(common, name)(0.99, 0, 0.95, scan=scan))
                 call(*inputs).block_until_ready()  # compile
                 times = []
-                for _ in range(repeats):
+                while len(times) < repeats and sum(times) < SCAN_SECONDS:
                     start = time.perf_counter()
                     call(*inputs).block_until_ready()
                     times.append(time.perf_counter() - start)
