@@ -177,6 +177,10 @@ MIN_RUN_S = 15  # a run with less time than this left is skipped
 # Issue 38's joint actor-critic (one loss, one optimizer): the PPO entries'
 # one flag, here alone: '--joint' once actor_critic.py has it.
 PPO_JOINT = ''
+# The value network's own trainer; actor_critic.py refuses them under --joint,
+# where the value trains in the policy's minibatch steps at --lr.
+VALUE_TRAINER_FLAGS = ('--value-lr', '--value-batch-size', '--value-train-steps-per-epoch',
+                       '--value-evals-per-epoch')
 GPU_SEEDS, SMOKE_SEEDS = (1, 64, 1024), (2,)  # smoke: few processes (compile is most of it)
 SCAN_SHAPES = ((1024, 16), (1024, 128), (4096, 128), (4096, 1024))  # batch x time
 SMOKE_SCAN_SHAPES = ((64, 16),)
@@ -191,13 +195,28 @@ def gpu_cases():
     minatar_smoke = '--epochs 1 --n-eval-episodes 4 --eval-every 1'
     return [
         GpuCase('dqn-cartpole', 'dqn', '', GPU_SEEDS, 40, '--epochs 2'),
-        GpuCase('ppo-cartpole', 'actor_critic', PPO_JOINT, GPU_SEEDS, 40, '--epochs 2'),
+        GpuCase('ppo-cartpole', 'actor_critic', ppo_flags(''), GPU_SEEDS, 40, '--epochs 2'),
         GpuCase('pqn-breakout-10M', 'dqn', f'--env Breakout-MinAtar {results.pqn_flags()}', (1,),
                 120, minatar_smoke),
         GpuCase('ppo-breakout-10M', 'actor_critic',
-                f'--env Breakout-MinAtar {results.PPO_BLINES} {PPO_JOINT}', (1,), 120,
+                ppo_flags(f'--env Breakout-MinAtar {results.PPO_BLINES}'), (1,), 120,
                 minatar_smoke),
     ]
+
+
+def ppo_flags(flags, joint=None):
+    """A PPO entry's flags: `flags` and then `joint` (default PPO_JOINT);
+    under --joint without VALUE_TRAINER_FLAGS (each with its value)."""
+    joint = PPO_JOINT if joint is None else joint
+    tokens, kept = shlex.split(flags), []
+    while tokens:
+        token = tokens.pop(0)
+        if joint and token.split('=')[0] in VALUE_TRAINER_FLAGS:
+            if '=' not in token:
+                tokens.pop(0)
+            continue
+        kept.append(token)
+    return shlex.join(kept + shlex.split(joint))
 
 
 def time_share(limit, later_limits, left):

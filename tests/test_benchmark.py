@@ -42,6 +42,13 @@ def test_time_share():
     assert benchmark.time_share(120, [], 50) == 50  # the last run gets what is left
 
 
+def test_ppo_flags_drop_the_value_trainer_under_joint():
+    flags = ('--env X --value-lr 5e-4 --batch-size 1024 --value-batch-size=1024 '
+             '--value-train-steps-per-epoch 32 --value-evals-per-epoch 2')
+    assert benchmark.ppo_flags(flags, joint='') == flags
+    assert benchmark.ppo_flags(flags, joint='--joint') == '--env X --batch-size 1024 --joint'
+
+
 def test_failed_run_keeps_the_table_shape():
     failed = benchmark.gpu_run_line({'case': 'x', 'seeds': 1, 'error': 'a\nRESOURCE_EXHAUSTED'})
     assert 'failed: RESOURCE_EXHAUSTED' in failed
