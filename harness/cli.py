@@ -693,6 +693,7 @@ def _epoch_loop(run, phases, state, args, prog):
             state, epochs, finite = _run_chunk(run, phases, state, epoch, n)
             _nan_guard(epochs, finite, saver, run.output_dir, prog)
             _record(run, epochs, summaries)
+            saver.check()  # a save that failed meanwhile stops the run now, not at the next
             epoch, last = epochs[-1]
             progress.update(epoch, epochs)
             lost = _show(progress.line(epoch, last), args)
@@ -797,6 +798,11 @@ class _Saver:
         except BaseException as error:  # noqa: B902 (re-raised in the driver)
             self.error = error
 
+    def check(self):
+        """Raise the error of a save that has ended in one (without waiting)."""
+        if self.thread is not None and not self.thread.is_alive():
+            self.wait()
+
     def wait(self):
         """Block until the save in flight is on disk; raise its error, if any."""
         if self.thread is not None:
@@ -863,7 +869,7 @@ def _finish(run, args):
                        json.dumps(summary, indent=2).encode())
     if args.plot:
         rundir.plot_learning_curves(run.history, run.agent, run.config.env,
-                             os.path.join(run.output_dir, 'learning_curve.png'))
+                                    os.path.join(run.output_dir, rundir.PLOT_FILE))
     if not args.quiet:
         finals = summary['final_eval_return']
         say(f'done: {len(run.runs)} run(s), final greedy return {_mean_min(finals)}, '

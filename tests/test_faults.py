@@ -9,12 +9,14 @@ overwritten with less and no temp file is left behind.
 """
 
 import contextlib
+import errno
 import json
 import os
 import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 import types
 import warnings
@@ -468,3 +470,124 @@ def test_a_plot_with_nothing_to_show_says_so_without_warnings(tmp_path):
         warnings.simplefilter('error')
         rundir.plot_learning_curves(history, agent, 'CartPole-v1', path)
     assert os.path.getsize(path) > 0 and temp_files(str(tmp_path)) == []
+
+
+# ---------------------------------------------------------------------------
+# 8. Background writers (issue 37, class 1): TensorBoard, metrics, checkpoints
+# ---------------------------------------------------------------------------
+
+
+def failing_fsync(monkeypatch, needle, code, after):
+    """os.fsync raising OSError(code) for files whose path holds `needle`,
+    once `after` such calls have succeeded: a disk that fills, or one EIO,
+    under whichever writer writes that file (tensorboardX's writer, the
+    metrics and the checkpoint thread all fsync what they write)."""
+    real, calls = os.fsync, []
+
+    def fsync(fd):
+        try:
+            path = os.readlink(f'/proc/self/fd/{fd}')
+        except OSError:
+            path = ''
+        if needle in path:
+            calls.append(path)
+            if len(calls) > after:
+                raise OSError(code, os.strerror(code))
+        return real(fd)
+    monkeypatch.setattr(os, 'fsync', fsync)
+    return calls
+
+
+WRITERS = {  # writer: (path needle, errno, good fsyncs before the failure, named in the line)
+    # the event files' flush at opening and after epoch 1; epoch 2's fails
+    'tensorboard': ('/tb/', errno.ENOSPC, 2, 'events.out.tfevents'),
+    # metrics.jsonl's rewrite at the start and epoch 1's lines; epoch 2's fail
+    'metrics': ('metrics.jsonl', errno.EIO, 2, 'metrics.jsonl'),
+    # epoch 1's checkpoint; epoch 2's fails in the checkpoint thread
+    'checkpoint': ('checkpoint.npz', errno.EIO, 1, 'checkpoint.npz'),
+}
+
+
+@pytest.mark.parametrize('writer', WRITERS)
+def test_a_failing_writer_ends_the_run_in_one_line_naming_its_file(writer, finished_run,
+                                                                   cache_dir, tmp_path, capsys,
+                                                                   monkeypatch):
+    needle, code, after, named = WRITERS[writer]
+    out = str(tmp_path / 'run')
+    threads = set(threading.enumerate())
+    with monkeypatch.context() as patch:
+        failing_fsync(patch, needle, code, after)
+        status, err = run_main(dqn.main, ['--epochs', '3', '--output-dir', out, '--tensorboard'],
+                               cache_dir, capsys)
+    assert status == 1
+    line = one_line(err, named, f'({errno.errorcode[code]})', 'checkpoint of epoch 1',
+                    'rerun with --output-dir')  # no 'Exception in thread' lines around it
+    assert repr(out) in line or out in line
+    assert set(threading.enumerate()) <= threads  # no writer thread left behind
+    assert temp_files(out) == []
+    assert rundir.read_checkpoint_metadata(os.path.join(out, 'checkpoint.npz'))['epoch'] == 1
+    # The disk is back: the same command resumes, bitwise.
+    status, err = run_main(dqn.main, ['--epochs', '3', '--output-dir', out, '--tensorboard'],
+                           cache_dir, capsys)
+    assert status == 0, err
+    assert metrics(out) == metrics(finished_run)
+
+
+def test_tensorboard_events_are_written_in_the_callers_thread(tmp_path):
+    """No writer thread: nothing can die out of sight, fill a queue and block
+    the run, or be joined at exit."""
+    threads = set(threading.enumerate())
+    record = {'epoch': 1, 'run': 0, 'seed': 0, 'rl/avg_return': 1.0}
+    with rundir.Summaries(str(tmp_path), [{'seed': 0}], {'grid': {}}, []) as summaries:
+        summaries.write([record])
+        assert set(threading.enumerate()) == threads
+    [name] = os.listdir(tmp_path / 'tb' / 'seed=0')
+    assert name.startswith('events.out.tfevents.')
+
+
+def test_a_tensorboard_write_error_names_the_event_file(tmp_path, monkeypatch):
+    from tensorboardX import record_writer
+    with rundir.Summaries(str(tmp_path), [{'seed': 0}], {'grid': {}}, []) as summaries:
+        def write(self, data):
+            raise OSError(errno.ENOSPC, 'No space left on device')
+        monkeypatch.setattr(record_writer.RecordWriter, 'write', write)
+        with pytest.raises(OSError) as error:
+            summaries.write([{'epoch': 1, 'run': 0, 'seed': 0, 'rl/avg_return': 1.0}])
+    assert error.value.errno == errno.ENOSPC
+    assert os.path.basename(error.value.filename).startswith('events.out.tfevents.')
+
+
+# ---------------------------------------------------------------------------
+# 9. The user's files (issue 37, class 2)
+# ---------------------------------------------------------------------------
+
+
+def test_the_temp_file_sweep_removes_only_the_programs_own_names(finished_run, cache_dir,
+                                                                  tmp_path, capsys):
+    mine = {'notes.tmp-old': b'notes', 'data.csv.tmp-backup': b'a,b\n',
+            'checkpoint.npz.tmp-backup': b'kept', 'my.tmp-123': b'mine too'}
+    dead = ['checkpoint.npz.tmp-99999', 'metrics.jsonl.tmp-4242',
+            'learning_curve.png.tmp-77.png']
+    for directory in (str(tmp_path / 'new'), str(tmp_path / 'resumed')):
+        if directory.endswith('resumed'):
+            shutil.copytree(finished_run, directory)
+        os.makedirs(directory, exist_ok=True)
+        for name, data in mine.items():
+            open(os.path.join(directory, name), 'wb').write(data)
+        for name in dead:
+            open(os.path.join(directory, name), 'wb').write(b'partial')
+        status, err = run_main(dqn.main, ['--epochs', '3', '--output-dir', directory],
+                               cache_dir, capsys)
+        assert status == 0, err
+        for name, data in mine.items():
+            assert open(os.path.join(directory, name), 'rb').read() == data, name
+        assert not any(os.path.exists(os.path.join(directory, name)) for name in dead)
+
+
+def test_own_temp_names():
+    own = ['checkpoint.npz.tmp-1', 'config.json.tmp-99', 'metrics.jsonl.tmp-7',
+           'summary.json.tmp-12', 'learning_curve.png.tmp-5.png']
+    others = ['notes.tmp-old', 'data.csv.tmp-backup', 'checkpoint.npz.tmp-', 'x.npz.tmp-1',
+              'checkpoint.npz.tmp-1.bak', 'learning_curve.png.tmp-5', 'summary.json']
+    assert [rundir.is_own_temp_file(name) for name in own] == [True] * len(own)
+    assert [rundir.is_own_temp_file(name) for name in others] == [False] * len(others)
