@@ -201,6 +201,20 @@ class UsageError(ValueError):
     """Bad input from the user: reported as one line and exit status 2."""
 
 
+def check_precision():
+    """UsageError when JAX computes in 64 bits (JAX_ENABLE_X64=1, or
+    jax_enable_x64 set in code): every program here is written for float32 and
+    int32 (its carries, counters, checkpoints and bitwise resumes), and under
+    x64 its loops would mix int32 and int64 (a traceback deep in tracing)."""
+    if not jax.config.jax_enable_x64:
+        return
+    source = (f'JAX_ENABLE_X64={os.environ["JAX_ENABLE_X64"]} is set'
+              if os.environ.get('JAX_ENABLE_X64') else 'jax_enable_x64 is on')
+    raise UsageError(f'{source}: these programs compute in float32 and int32 (their '
+                     'checkpoints and bitwise resumes too); unset JAX_ENABLE_X64 (or set it to '
+                     '0) to run them')
+
+
 class _ImportOnUse(types.ModuleType):
     """Stands in for a module until one of its attributes is used."""
 
@@ -1348,6 +1362,7 @@ def run_sweep(agent, config, seed=0, num_seeds=1, grid=None, epochs=None,
     leading runs axis, and {metric: array [epochs, n_runs]}, the evaluation
     figures NaN in the epochs not evaluated.
     """
+    check_precision()
     grid = dict(grid or {})
     unknown = sorted(set(grid) - set(sweep_fields(config)))
     if unknown:

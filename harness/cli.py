@@ -80,6 +80,7 @@ HARMLESS_FIELDS = {'epochs', 'checkpoint_every', 'eval_every'}
 CHUNK_SECONDS = 3.0  # the wall time aimed at per compiled call (a chunk of epochs)
 CHUNK_EPOCHS = 256  # at most this many epochs per chunk: its metric buffers' length
 CHECKPOINT_SECONDS = 60.0  # between checkpoints, unless --checkpoint-every is given
+SAVE_JOIN_SECONDS = 10.0  # a stopping run waits at most this for a save in flight
 
 
 def _fail(prog, message, status=2, local=False):
@@ -254,6 +255,10 @@ def _main(config_cls, make_agent, check_hyperparameters, prog, description, argv
     parser = flags.build_parser(config_cls, prog, description, env_settings)
     args = parser.parse_args(argv)
     args.given = flags.given_flags(parser, argv)
+    try:
+        common.check_precision()  # JAX_ENABLE_X64: before any value is checked or traced
+    except common.UsageError as error:
+        parser.error(str(error))
     applied = flags.apply_env_settings(config_cls, args, env_settings, settings_mode_field)
     try:
         saved = flags.saved_run_config(args.output_dir)
@@ -396,6 +401,7 @@ class _Run:
 def _set_up(make_agent, config, grid, args, prog):
     """Check the flags and the output dir before compiling; write nothing."""
     wall_start = time.time()
+    common.check_precision()
     flags.enable_compile_cache(getattr(args, 'compile_cache', None),
                                explicit='compile_cache' in getattr(args, 'given', ()))
     flags.check_run_flags(args)
@@ -785,7 +791,8 @@ class _Saver:
         self.wait()
         self.saved_at = time.time()
         if devices.is_writer():
-            self.thread = threading.Thread(target=self._write, args=(whole_state, epoch))
+            self.thread = threading.Thread(target=self._write, args=(whole_state, epoch),
+                                           daemon=True)  # exit never waits on a hung disk
             self.thread.start()
 
     def _write(self, whole_state, epoch):
@@ -819,7 +826,8 @@ class _Saver:
         if exc[0] is None:
             self.wait()
         elif self.thread is not None:  # let the file be whole; the first error wins
-            self.thread.join()
+            self.thread.join(SAVE_JOIN_SECONDS)  # (a rename in flight lands, or the temp
+            # file is left to the next run's sweep: the checkpoint stays whole either way)
         return False
 
 

@@ -591,3 +591,33 @@ def test_own_temp_names():
               'checkpoint.npz.tmp-1.bak', 'learning_curve.png.tmp-5', 'summary.json']
     assert [rundir.is_own_temp_file(name) for name in own] == [True] * len(own)
     assert [rundir.is_own_temp_file(name) for name in others] == [False] * len(others)
+
+
+# ---------------------------------------------------------------------------
+# 10. The environment (issue 37, class 3): JAX_ENABLE_X64
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize('name', ['dqn', 'pg', 'actor_critic'])
+def test_jax_enable_x64_is_refused_in_one_line(name, tmp_path):
+    out = str(tmp_path / 'run')
+    result = subprocess.run([sys.executable, os.path.join(ROOT, f'{name}.py'), '--epochs', '2',
+                             '--output-dir', out, '--compile-cache', 'none'], cwd=ROOT,
+                            env=dict(os.environ, JAX_ENABLE_X64='1'), capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 2
+    one_line(result.stderr.strip().splitlines(), 'JAX_ENABLE_X64=1 is set', 'float32 and int32')
+    assert not os.path.exists(out)
+
+
+def test_x64_is_refused_by_the_library_too(monkeypatch):
+    import jax
+    import common
+    monkeypatch.delenv('JAX_ENABLE_X64', raising=False)
+    config = dqn.Config(epochs=1)
+    jax.config.update('jax_enable_x64', True)
+    try:
+        with pytest.raises(common.UsageError, match='jax_enable_x64 is on'):
+            common.run_sweep(None, config)
+    finally:
+        jax.config.update('jax_enable_x64', False)
