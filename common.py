@@ -1072,6 +1072,29 @@ def option(default, help, sweep=False, bounds=None, choices=None, aliases=()):
 INT32_MAX = 2 ** 31 - 1  # counters and sizes live in int32 arrays
 
 
+def check_int32_products(products):
+    """UsageError naming the first product of flags past int32, the integers
+    the compiled program counts and indexes in (a counter that wraps, a size
+    JAX cannot take): `products` is [(what it counts, [(flag, value), ...])],
+    checked before anything is traced."""
+    for what, factors in products:
+        value = math.prod(int(factor) for _, factor in factors)
+        if value > INT32_MAX:
+            said = ' x '.join(f'{flag} {factor}' for flag, factor in factors)
+            raise UsageError(f'{what} per run would be {said} = {value}, past {INT32_MAX}, the '
+                             'largest int32, which the program counts in; lower one of them')
+
+
+def env_steps_factors(config, n_envs, steps, max_steps):
+    """The flags behind a run's env steps per epoch: --n-interactions-per-epoch,
+    or --n-trajectories-per-epoch episodes of up to `max_steps` steps."""
+    if config.n_trajectories_per_epoch:
+        cap = (('--max-steps', max_steps) if getattr(config, 'max_steps', None)
+               else (f"{config.env}'s episode cap", max_steps))
+        return [('--n-trajectories-per-epoch', n_envs), cap]
+    return [('--n-interactions-per-epoch', n_envs * steps)]
+
+
 @dataclasses.dataclass(frozen=True)
 class Bounds:
     """An interval, written as in maths: '[1, inf)', '(0, 1]', '[0, 1)'."""

@@ -621,3 +621,50 @@ def test_x64_is_refused_by_the_library_too(monkeypatch):
             common.run_sweep(None, config)
     finally:
         jax.config.update('jax_enable_x64', False)
+
+
+# ---------------------------------------------------------------------------
+# 11. Integer sizes (issue 37, class 4): every derived count checked before tracing
+# ---------------------------------------------------------------------------
+
+import actor_critic  # noqa: E402
+
+PRODUCTS = [
+    (actor_critic, ['--policy-loss', 'awr', '--n-replay-epochs', '2000000'],
+     'replay steps per run would be --n-replay-epochs 2000000 x --n-interactions-per-epoch'),
+    (dqn, ['--epochs', '20000000'],
+     'gradient steps per run would be --epochs 20000000 x --train-steps-per-epoch 128'),
+    (dqn, ['--lr-schedule', 'constant * linear_decay', '--lr-decay-epochs', '2147483647'],
+     "schedule's steps per run would be --lr-decay-epochs 2147483647 x "
+     '--train-steps-per-epoch 128 = 274877906816'),
+    (actor_critic, ['--lr-decay-epochs', '2147483647', '--lr-schedule',
+                    'constant * linear_decay'],
+     "schedule's steps per run would be --lr-decay-epochs 2147483647"),
+    (actor_critic, ['--epochs', '40000000', '--value-train-steps-per-epoch', '64',
+                    '--train-steps-per-epoch', '1'], 'value gradient steps per run'),
+    (pg, ['--epochs', '100000000'],
+     "env steps per run would be --epochs 100000000 x --n-trajectories-per-epoch 32 x "
+     "CartPole-v1's episode cap 500"),
+    (dqn, ['--epochs', '5000000', '--train-steps-per-epoch', '1'],
+     'env steps per run would be --epochs 5000000 x --n-interactions-per-epoch 512'),
+    (dqn, ['--n-replay-epochs', '10000000'], 'replay rows per run would be'),
+    (pg, ['--n-interactions-per-epoch', '1024', '--n-envs', '1024', '--max-steps', '3000000',
+          '--n-trajectories-per-epoch', 'none'], 'batch steps per run would be --n-envs 1024 x'),
+]
+
+
+@pytest.mark.parametrize('module,args,needle', PRODUCTS,
+                         ids=[f'{m.__name__} ' + ' '.join(a) for m, a, _ in PRODUCTS])
+def test_a_derived_count_past_int32_is_one_line_naming_the_product(module, args, needle,
+                                                                   tmp_path, capsys):
+    out = str(tmp_path / 'run')
+    status, err = run_main(module.main, [*args, '--output-dir', out], 'none', capsys,
+                           small=['--quiet'])
+    assert status == 2
+    one_line(err, needle, 'past 2147483647')
+    assert not os.path.exists(out)
+
+
+def test_the_library_refuses_a_derived_count_past_int32_too():
+    with pytest.raises(dqn.common.UsageError, match='gradient steps per run'):
+        dqn.make_agent(dqn.Config(epochs=20000000))
