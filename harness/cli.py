@@ -697,7 +697,7 @@ def _epoch_loop(run, phases, state, args, prog):
         while epoch < config.epochs:
             n = _chunk_size(run, phases['length'], progress, epoch, args)
             state, epochs, finite = _run_chunk(run, phases, state, epoch, n)
-            _nan_guard(epochs, finite, saver, run.output_dir, prog)
+            _nan_guard(run, epochs, finite, saver, summaries, prog)
             _record(run, epochs, summaries)
             saver.check()  # a save that failed meanwhile stops the run now, not at the next
             epoch, last = epochs[-1]
@@ -721,10 +721,12 @@ def _epoch_loop(run, phases, state, args, prog):
     return last
 
 
-def _record(run, epochs, summaries):
-    """A chunk's metric records into the history, metrics.jsonl and TensorBoard."""
+def _record(run, epochs, summaries, until=None):
+    """A chunk's metric records into the history, metrics.jsonl and TensorBoard;
+    with `until` ([n_runs] epochs), each run's records of epochs before its own."""
     records = [record for number, metrics in epochs
-               for record in rundir.metric_records(number, metrics, run.runs)]
+               for record in rundir.metric_records(number, metrics, run.runs)
+               if until is None or number < until[record['run']]]
     run.history.extend(records)
     # Metrics first, then the checkpoint: a crash between the two leaves
     # lines of epochs the resumed run recomputes identically.
@@ -758,17 +760,49 @@ def _stop_after(run, epoch, lost, prog):
     _signals.pending = None
 
 
-def _nan_guard(epochs, finite, saver, output_dir, prog):
-    """Stop at the first epoch of the chunk with a non-finite loss or parameter."""
+def _nan_guard(run, epochs, finite, saver, summaries, prog):
+    """Stop at the first epoch of the chunk with a non-finite loss or parameter
+    in any run, after writing every run's finite epochs (the lead-up to the
+    divergence, and the healthy runs' epochs); the message names the runs
+    that diverged (seed and grid values) and says what became of the others."""
+    n_runs = len(run.runs)
+    first_bad = np.full(n_runs, np.iinfo(np.int64).max)  # per run: its first bad epoch
+    bad_names = {}
     for (epoch, metrics), params_finite in zip(epochs, finite):
-        bad = [name for name, values in metrics.items()
-               if name.startswith('metrics/') and not np.all(np.isfinite(values))]
-        if bad or not np.all(params_finite):
-            saver.wait()
-            what = ', '.join(bad) if bad else 'network parameters'
-            kept = (f'the checkpoint of epoch {saver.saved_epoch} in {output_dir} is kept'
-                    if saver.saved_epoch else f'no checkpoint was saved in {output_dir}')
-            _fail(prog, f'non-finite {what} in epoch {epoch}; stopped, {kept}', status=1)
+        for index in range(n_runs):
+            if first_bad[index] < epoch:
+                continue
+            names = [name for name, values in metrics.items()
+                     if name.startswith('metrics/') and not np.isfinite(values[index])]
+            if names or not params_finite[index]:
+                first_bad[index] = epoch
+                bad_names[index] = names or ['network parameters']
+    if not bad_names:
+        return
+    _record(run, epochs, summaries, until=first_bad)  # the finite epochs, before stopping
+    saver.wait()
+    epoch = int(first_bad.min())
+    diverged = [index for index in range(n_runs) if first_bad[index] == epoch]
+    what = ', '.join(dict.fromkeys(name for index in diverged for name in bad_names[index]))
+    kept = (f'the checkpoint of epoch {saver.saved_epoch} in {run.output_dir} is kept'
+            if saver.saved_epoch else f'no checkpoint was saved in {run.output_dir}')
+    if n_runs == 1:
+        _fail(prog, f'non-finite {what} in epoch {epoch}; stopped, {kept}; the epochs before '
+                    f'it are in {run.metrics_path}', status=1)
+    names = rundir.run_names(run.runs, run.run_config.get('grid') or {})
+    said = ' '.join(names[index] for index in diverged[:4]) + (
+        f' and {len(diverged) - 4} more' if len(diverged) > 4 else '')
+    healthy = int(np.sum(first_bad == np.iinfo(np.int64).max))
+    last = epochs[-1][0]
+    others = (f'the other {healthy} run(s), finite through epoch {last}, stop with '
+              f'{"it" if len(diverged) == 1 else "them"} (one program runs them all)'
+              if healthy else 'no run stayed finite')
+    _fail(prog, f'non-finite {what} in epoch {epoch} of {len(diverged)} of {n_runs} runs '
+                f'({said}); {others}; every run\'s finite epochs are in {run.metrics_path}; '
+                f'{kept} (a resume meets the same divergence: to go on without '
+                f'{"that run" if len(diverged) == 1 else "those runs"}, start a new '
+                f'--output-dir without {"its" if len(diverged) == 1 else "their"} seed or grid '
+                'value)', status=1)
 
 
 class _Saver:

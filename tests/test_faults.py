@@ -668,3 +668,72 @@ def test_a_derived_count_past_int32_is_one_line_naming_the_product(module, args,
 def test_the_library_refuses_a_derived_count_past_int32_too():
     with pytest.raises(dqn.common.UsageError, match='gradient steps per run'):
         dqn.make_agent(dqn.Config(epochs=20000000))
+
+
+# ---------------------------------------------------------------------------
+# 12. A divergence keeps its lead-up (issue 37, class 5)
+# ---------------------------------------------------------------------------
+
+
+def _diverging_run(tmp_path, grid, poisoned, at_epoch, capsys):
+    """dqn with --checkpoint-every 3 over 8 epochs (chunks 1, 2-3, 4-6, 7-8), its
+    parameters made NaN from epoch `at_epoch` on in the runs where
+    `poisoned(hp)` holds -> (status, stderr lines, metrics records, out)."""
+    import jax
+    import jax.numpy as jnp
+    parser = flags.build_parser(dqn.Config, 'dqn.py', '')
+    out = str(tmp_path / 'run')
+    small = [a for a in SMALL]
+    small[small.index('--checkpoint-every') + 1] = '3'
+    args = parser.parse_args([*small, '--epochs', '8', '--output-dir', out, '--compile-cache',
+                              'none', *grid])
+    config, grid = flags.config_and_grid(dqn.Config, args)
+
+    def make_poisoned_agent(config):
+        agent = dqn.make_agent(config)
+        train = agent.train
+
+        def poisoned_train(hp, state):
+            state, metrics = train(hp, state)
+            poison = jnp.where((state.epoch >= at_epoch) & poisoned(hp), jnp.nan, 1.0)
+            return state._replace(params=jax.tree.map(lambda p: p * poison, state.params)), \
+                metrics
+        agent.train = poisoned_train
+        return agent
+
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as stop:
+        cli.run_experiment(make_poisoned_agent, config, grid, args, 'dqn.py')
+    records = [json.loads(line) for line in open(os.path.join(out, 'metrics.jsonl'))]
+    return stop.value.code, capsys.readouterr().err.strip().splitlines(), records, out
+
+
+def test_a_divergence_inside_a_chunk_keeps_the_epochs_before_it(tmp_path, capsys):
+    status, err, records, out = _diverging_run(tmp_path, [], lambda hp: True, 5, capsys)
+    assert status == 1
+    one_line(err, 'non-finite', 'in epoch 5', 'checkpoint of epoch 3')
+    assert [r['epoch'] for r in records] == [1, 2, 3, 4]  # 4 ran in epoch 5's chunk
+    assert rundir.read_checkpoint_metadata(os.path.join(out, 'checkpoint.npz'))['epoch'] == 3
+
+
+def test_a_divergence_in_a_grid_names_the_run_and_keeps_the_healthy_runs_epochs(tmp_path,
+                                                                               capsys):
+    status, err, records, out = _diverging_run(
+        tmp_path, ['--lr', '1e-2,3e-3', '--num-seeds', '2'],
+        lambda hp: hp['lr'] < 5e-3, 5, capsys)
+    assert status == 1
+    line = one_line(err, 'non-finite', 'in epoch 5 of 2 of 4 runs', 'checkpoint of epoch 3',
+                    'the other 2 run(s), finite through epoch 6')
+    diverged = {(r['lr'], r['seed']) for r in records if r['epoch'] == 4} - \
+        {(r['lr'], r['seed']) for r in records if r['epoch'] == 5}
+    assert diverged and all(lr == 0.003 for lr, _ in diverged)
+    for lr, seed in diverged:
+        assert f'lr=0.003,seed={seed}' in line
+    assert diverged == {(0.003, 0), (0.003, 1)}
+    healthy = {(r['lr'], r['seed']) for r in records if r['epoch'] == 6}
+    assert healthy == {(0.01, 0), (0.01, 1)}  # their epochs 5 and 6 are kept
+    assert sorted(r['epoch'] for r in records if (r['lr'], r['seed']) in diverged) == \
+        sorted([1, 2, 3, 4] * 2)
+    for record in records:
+        assert all(value is None or np.isfinite(value) for name, value in record.items()
+                   if name.startswith('metrics/'))
