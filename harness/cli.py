@@ -262,9 +262,15 @@ def _main(config_cls, make_agent, check_hyperparameters, prog, description, argv
     applied = flags.apply_env_settings(config_cls, args, env_settings, settings_mode_field)
     try:
         saved = flags.saved_run_config(args.output_dir)
+        unsaved = None if saved is not None else flags.unsaved_run_config(args.output_dir)
         args.sees_saved_run = saved is not None  # processes must agree (check_same_flags)
         if saved is not None:  # resume: what the command line leaves out is the saved run's
             flags.take_saved_config(config_cls, args, saved)
+        elif unsaved is not None and flags.take_saved_config(config_cls, args, unsaved):
+            # a run killed before its first checkpoint: rerun with its flags
+            if not args.quiet and not args.only_eval:
+                say(f'{prog}: {args.output_dir} holds a run that stopped before its first '
+                    'checkpoint: running it again from epoch 1 with its flags (config.json)')
         elif applied and not args.quiet:
             say(f'{prog}: settings for {args.env}: {flags.settings_flags(applied)}'
                 ' (a flag on the command line overrides each)')
@@ -515,6 +521,13 @@ def _refuse_overwriting(run):
         return  # none (or unreadable): nothing recorded to protect
     differing = config_differences(recorded, run.run_config) if isinstance(recorded, dict) \
         else ['config.json']
+    if differing and not os.path.exists(os.path.join(run.output_dir, 'checkpoint.prev.npz')) \
+            and isinstance(recorded, dict) and recorded.get('algorithm') == run.agent.name:
+        raise common.UsageError(
+            f'{run.output_dir} holds a run that stopped before its first checkpoint, with '
+            f'other flags (config.json differs: {", ".join(differing[:5])}); rerun it with '
+            f'--output-dir {run.output_dir} and no flag that changes them (it starts again '
+            'from epoch 1 with its own), or start a new --output-dir')
     if differing:
         raise common.UsageError(
             f'{run.output_dir} holds the files of another run (config.json differs: '

@@ -737,3 +737,45 @@ def test_a_divergence_in_a_grid_names_the_run_and_keeps_the_healthy_runs_epochs(
     for record in records:
         assert all(value is None or np.isfinite(value) for name, value in record.items()
                    if name.startswith('metrics/'))
+
+
+# ---------------------------------------------------------------------------
+# 13. Rerun after an early kill (issue 37, class 6)
+# ---------------------------------------------------------------------------
+
+
+def _killed_before_its_first_checkpoint(finished_run, out):
+    """What a run killed in its first minute leaves: config.json and the
+    lines of the epochs it ran, no checkpoint, no summary."""
+    shutil.copytree(finished_run, out)
+    for name in ('checkpoint.npz', 'checkpoint.prev.npz', 'summary.json'):
+        os.remove(os.path.join(out, name))
+
+
+def test_a_run_killed_before_its_first_checkpoint_reruns_with_its_flags(finished_run, cache_dir,
+                                                                       tmp_path, capsys):
+    out = str(tmp_path / 'run')
+    _killed_before_its_first_checkpoint(finished_run, out)
+    capsys.readouterr()
+    try:  # --output-dir alone, as the README says: every flag from config.json
+        dqn.main(['--output-dir', out, '--compile-cache', cache_dir])
+        status = 0
+    except SystemExit as stop:
+        status = stop.code
+    captured = capsys.readouterr()
+    assert status == 0, captured.err
+    assert 'stopped before its first checkpoint: running it again from epoch 1' in captured.out
+    assert metrics(out) == metrics(finished_run)
+    assert json.load(open(os.path.join(out, 'config.json'))) == \
+        json.load(open(os.path.join(finished_run, 'config.json')))
+
+
+def test_other_flags_on_a_run_killed_before_its_first_checkpoint_say_so(finished_run, cache_dir,
+                                                                       tmp_path, capsys):
+    out = str(tmp_path / 'run')
+    _killed_before_its_first_checkpoint(finished_run, out)
+    before = metrics(out)
+    status, err = run_main(dqn.main, ['--output-dir', out, '--gamma', '0.5'], cache_dir, capsys)
+    assert status == 2
+    one_line(err, 'stopped before its first checkpoint', 'gamma', f'--output-dir {out}')
+    assert metrics(out) == before
