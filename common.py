@@ -250,6 +250,20 @@ class UsageError(ValueError):
     """Bad input from the user: reported as one line and exit status 2."""
 
 
+def check_precision():
+    """UsageError when JAX computes in 64 bits (JAX_ENABLE_X64=1, or
+    jax_enable_x64 set in code): every program here is written for float32 and
+    int32 (its carries, counters, checkpoints and bitwise resumes), and under
+    x64 its loops would mix int32 and int64 (a traceback deep in tracing)."""
+    if not jax.config.jax_enable_x64:
+        return
+    source = (f'JAX_ENABLE_X64={os.environ["JAX_ENABLE_X64"]} is set'
+              if os.environ.get('JAX_ENABLE_X64') else 'jax_enable_x64 is on')
+    raise UsageError(f'{source}: these programs compute in float32 and int32 (their '
+                     'checkpoints and bitwise resumes too); unset JAX_ENABLE_X64 (or set it to '
+                     '0) to run them')
+
+
 class _ImportOnUse(types.ModuleType):
     """Stands in for a module until one of its attributes is used."""
 
@@ -1107,6 +1121,29 @@ def option(default, help, sweep=False, bounds=None, choices=None, aliases=()):
 INT32_MAX = 2 ** 31 - 1  # counters and sizes live in int32 arrays
 
 
+def check_int32_products(products):
+    """UsageError naming the first product of flags past int32, the integers
+    the compiled program counts and indexes in (a counter that wraps, a size
+    JAX cannot take): `products` is [(what it counts, [(flag, value), ...])],
+    checked before anything is traced."""
+    for what, factors in products:
+        value = math.prod(int(factor) for _, factor in factors)
+        if value > INT32_MAX:
+            said = ' x '.join(f'{flag} {factor}' for flag, factor in factors)
+            raise UsageError(f'{what} per run would be {said} = {value}, past {INT32_MAX}, the '
+                             'largest int32, which the program counts in; lower one of them')
+
+
+def env_steps_factors(config, n_envs, steps, max_steps):
+    """The flags behind a run's env steps per epoch: --n-interactions-per-epoch,
+    or --n-trajectories-per-epoch episodes of up to `max_steps` steps."""
+    if config.n_trajectories_per_epoch:
+        cap = (('--max-steps', max_steps) if getattr(config, 'max_steps', None)
+               else (f"{config.env}'s episode cap", max_steps))
+        return [('--n-trajectories-per-epoch', n_envs), cap]
+    return [('--n-interactions-per-epoch', n_envs * steps)]
+
+
 @dataclasses.dataclass(frozen=True)
 class Bounds:
     """An interval, written as in maths: '[1, inf)', '(0, 1]', '[0, 1)'."""
@@ -1397,6 +1434,7 @@ def run_sweep(agent, config, seed=0, num_seeds=1, grid=None, epochs=None,
     leading runs axis, and {metric: array [epochs, n_runs]}, the evaluation
     figures NaN in the epochs not evaluated.
     """
+    check_precision()
     grid = dict(grid or {})
     unknown = sorted(set(grid) - set(sweep_fields(config)))
     if unknown:
