@@ -174,9 +174,9 @@ def fmt(value, spec='.1f'):
 GPU_BUDGET_S = 540  # the whole suite, on one GPU
 RUN_OVERHEAD_S = 10  # a run's start-up, final evaluation and writes, outside its --time-limit
 MIN_RUN_S = 15  # a run with less time than this left is skipped
-# Issue 38's joint actor-critic (one loss, one optimizer): the PPO entries'
-# one flag, here alone: '--joint' once actor_critic.py has it.
-PPO_JOINT = ''
+# The PPO entries run the joint actor-critic (one loss, one optimizer, as
+# PureJaxRL and Trax's PPOJoint); '' here times the default two-network PPO.
+PPO_JOINT = '--joint'
 # The value network's own trainer; actor_critic.py refuses them under --joint,
 # where the value trains in the policy's minibatch steps at --lr.
 VALUE_TRAINER_FLAGS = ('--value-lr', '--value-batch-size', '--value-train-steps-per-epoch',
