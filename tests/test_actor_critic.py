@@ -866,7 +866,8 @@ def test_joint_loss_by_hand(shared):
     value head's bias gradient is coeff x 2 mean_w(V - target)."""
     config = ac_config(joint=True, shared_torso=shared, policy_loss='ppo', hidden_sizes=(5,),
                        entropy_coeff=0.01, value_batch_size=ac.Config.value_batch_size,
-                       value_train_steps_per_epoch=ac.Config.value_train_steps_per_epoch)
+                       value_train_steps_per_epoch=ac.Config.value_train_steps_per_epoch,
+                       value_lr=ac.Config.value_lr)  # (refused under --joint, as by the CLI)
     agent = ac.make_agent(config)
     hp = {**single_hp(config), 'value_loss_coeff': jnp.float32(0.3)}
     state = agent.init(jax.random.PRNGKey(0), hp)
