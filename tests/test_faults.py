@@ -779,3 +779,33 @@ def test_other_flags_on_a_run_killed_before_its_first_checkpoint_say_so(finished
     assert status == 2
     one_line(err, 'stopped before its first checkpoint', 'gamma', f'--output-dir {out}')
     assert metrics(out) == before
+
+
+# ---------------------------------------------------------------------------
+# 14. Messages name the real cause (issue 37, class 7)
+# ---------------------------------------------------------------------------
+
+AS_TYPED = [
+    (dqn, ['--exploration-minimum', '1.0000001'], 'must be in [0, 1], got 1.0000001'),
+    (dqn, ['--gamma', '1.0000001'], 'must be in (0, 1], got 1.0000001'),
+    (dqn, ['--gamma', '0.9,1.0000001'], 'must be in (0, 1], got 1.0000001'),
+    (pg, ['--eval-temperatures', '0,-0.0000001'], 'must be >= 0, got 0,-1e-07'),
+    (dqn, ['--coordinator-timeout', '86400.0000001'], 'got 86400.0000001'),
+    (dqn, ['--gamma', '1.5'], 'must be in (0, 1], got 1.5'),  # short where that is exact
+]
+
+
+@pytest.mark.parametrize('module,args,needle', AS_TYPED,
+                         ids=[' '.join(args) for _, args, _ in AS_TYPED])
+def test_a_bound_message_prints_the_value_as_typed(module, args, needle, tmp_path, capsys):
+    out = str(tmp_path / 'run')
+    status, err = run_main(module.main, [*args, '--output-dir', out], 'none', capsys,
+                           small=['--quiet'])
+    assert status == 2
+    one_line(err, needle)
+    assert not os.path.exists(out)
+
+
+def test_a_float32_value_is_printed_exactly():
+    assert flags._show32(float(np.float32(0.99999997))) == '0.99999994'
+    assert flags._show32(1.0) == '1' and flags._show32(float(np.float32(0.5))) == '0.5'
