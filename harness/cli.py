@@ -434,7 +434,7 @@ def _set_up(make_agent, config, grid, args, prog):
     with devices.agreement():  # this host's memory and (process 0) files
         devices.check_memory(agent, hp, jax.ShapeDtypeStruct((len(runs) + pad, 2), jnp.uint32),
                      sorted(sharding.device_set, key=lambda device: device.id),
-                     agent.memory_flags)
+                     devices.memory_hint(config, agent.memory_flags))
         if devices.is_writer():
             if args.only_eval and not any(os.path.isfile(os.path.join(output_dir, name))
                                           for name in ('checkpoint.npz', 'checkpoint.prev.npz')):

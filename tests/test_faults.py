@@ -809,3 +809,26 @@ def test_a_bound_message_prints_the_value_as_typed(module, args, needle, tmp_pat
 def test_a_float32_value_is_printed_exactly():
     assert flags._show32(float(np.float32(0.99999997))) == '0.99999994'
     assert flags._show32(1.0) == '1' and flags._show32(float(np.float32(0.5))) == '0.5'
+
+
+MEMORY = [  # the flag that grew the state, and flags the script's list names but did not
+    (actor_critic, ['--policy-loss', 'awr', '--n-replay-epochs', '1000000'],
+     '--n-replay-epochs 1000000', ['--max-steps', '--n-trajectories-per-epoch']),
+    (pg, ['--torso', 'gru', '--gru-size', '200000', '--batch-size', '0'], '--gru-size 200000',
+     ['--max-steps', '--n-trajectories-per-epoch', '--batch-size']),
+    (dqn, ['--n-replay-epochs', '4000000'], '--n-replay-epochs 4000000',
+     ['--batch-size', '--train-steps-per-epoch']),
+]
+
+
+@pytest.mark.parametrize('module,args,grown,innocent', MEMORY,
+                         ids=[' '.join(args) for _, args, _, _ in MEMORY])
+def test_the_memory_refusal_names_the_flags_that_grew_the_state(module, args, grown, innocent,
+                                                                tmp_path, capsys):
+    out = str(tmp_path / 'run')
+    status, err = run_main(module.main, [*args, '--output-dir', out], 'none', capsys,
+                           small=['--quiet'])
+    assert status == 2
+    line = one_line(err, 'GiB', f'lower {grown} (above its default), or --num-seeds')
+    assert not any(flag in line for flag in innocent), line
+    assert not os.path.exists(out)
