@@ -12,6 +12,7 @@ import importlib
 import importlib.util
 import json
 import os
+import re
 import signal
 import sys
 import threading
@@ -271,25 +272,84 @@ def _main(config_cls, make_agent, check_hyperparameters, prog, description, argv
             if not args.quiet and not args.only_eval:
                 say(f'{prog}: {args.output_dir} holds a run that stopped before its first '
                     'checkpoint: running it again from epoch 1 with its flags (config.json)')
-        elif applied and not args.quiet:
-            say(f'{prog}: settings for {args.env}: {flags.settings_flags(applied)}'
-                ' (a flag on the command line overrides each)')
         elif applied is None and not args.quiet:
             mode = flags.settings_flags({settings_mode_field: env_settings[args.env][settings_mode_field]})
             say(f'{prog}: the settings for {args.env} are for {mode}: not applied to '
                 f'{flags.settings_flags({settings_mode_field: getattr(args, settings_mode_field)})}')
-        config, grid = flags.config_and_grid(config_cls, args)
-        flags.check_run_flags(args)
-        flags.check_schedule(config, args.given)
+        args.setting_sources = {  # where each value not typed came from, for messages
+            **{name: f'the settings for {args.env}' for name in applied or {}},
+            **{name: f'the run saved in {args.output_dir}' for name in (saved or unsaved or {})
+               if name not in args.given}}
+        fresh = saved is None and not (unsaved is not None and 'algorithm' in unsaved)
 
         def check(config, grid):
             common.check_fields(config, grid)
             check_hyperparameters(config, common.expand_runs(config, grid, args.seed, 1))
-        check(config, grid)
-        flags.check_as_float32(config, grid, check)
+        config, grid, dropped = _checked_config(config_cls, make_agent, check, args,
+                                                applied if fresh else None)
+        if fresh and (applied or dropped) and not args.quiet:
+            say(f'{prog}: settings for {args.env}: {flags.settings_flags(applied) or "none"}'
+                ' (a flag on the command line overrides each)'
+                + (f'; not applied: {flags.settings_flags(dropped)} (inert with the flags '
+                   'given)' if dropped else ''))
     except common.UsageError as error:
-        parser.error(str(error))
+        parser.error(_with_source(str(error), args))
     return run_experiment(make_agent, config, grid, args, prog)
+
+
+_NAMED_FLAG = re.compile(r'--([a-z0-9-]+)')
+_INERT = re.compile(r'--[a-z0-9-]+ (?:acts with|acts on|has no effect|needs|takes effect)')
+
+
+def _checked_config(config_cls, make_agent, check, args, applied):
+    """(config, grid, dropped) after every check a flag meets before the run.
+    A setting of the env's that the flags typed make inert (refused as one
+    that cannot act: `--max-slice-length acts with --torso gru only` under
+    `--env MetaMaze-misc --torso mlp`) is not applied: it is dropped (back to
+    its default) and the checks run again. With `applied` (a new run's
+    settings, one process), the agent is built once here to meet its own
+    checks of that kind too."""
+    dropped = {}
+    defaults = {field.name: field.default for field in dataclasses.fields(config_cls)}
+    while True:
+        try:
+            config, grid = flags.config_and_grid(config_cls, args)
+            flags.check_run_flags(args)
+            flags.check_schedule(config, args.given)
+            check(config, grid)
+            flags.check_as_float32(config, grid, check)
+            if applied and not devices.distributed_requested(args):
+                try:  # (no JAX backend before jax.distributed: only without it)
+                    agent = make_agent(config)
+                except common.UsageError:
+                    raise
+                except Exception:  # noqa: BLE001 (the run's own set-up reports it)
+                    return config, grid, dropped
+                flags.check_flags_act(config, agent, args.given)
+            return config, grid, dropped
+        except common.UsageError as error:
+            named = _NAMED_FLAG.match(str(error))
+            field = named and next((name for name in (named.group(1).replace('-', '_'),
+                                                      named.group(1).replace('-', '_') + '_')
+                                    if name in (applied or {})), None)
+            if not field or field in args.given or not _INERT.match(str(error)):
+                raise
+            dropped[field] = applied.pop(field)
+            setattr(args, field, defaults[field])
+
+
+def _with_source(message, args):
+    """`message`, saying where the flag it starts with came from when it was
+    not typed (the env's settings, the saved run): never blamed as if typed."""
+    named = _NAMED_FLAG.match(message)
+    sources = getattr(args, 'setting_sources', {})
+    if not named:
+        return message
+    for name in (named.group(1).replace('-', '_'), named.group(1).replace('-', '_') + '_'):
+        if name in sources and name not in getattr(args, 'given', ()):
+            value = flags.settings_flags({name: getattr(args, name, None)})
+            return f'{message} ({value} is from {sources[name]}, not the command line)'
+    return message
 
 
 def run_experiment(make_agent, config, grid, args, prog):
@@ -297,7 +357,7 @@ def run_experiment(make_agent, config, grid, args, prog):
     try:
         return _run_experiment(make_agent, config, grid, args, prog)
     except common.UsageError as error:
-        _fail(prog, str(error), local=getattr(error, 'local', False))
+        _fail(prog, _with_source(str(error), args), local=getattr(error, 'local', False))
     except ValueError as error:  # corrupt / mismatched checkpoint, remaining_evals
         _fail(prog, str(error), status=1, local=getattr(error, 'local', False))
     except (jax.errors.JaxRuntimeError, MemoryError) as error:

@@ -832,3 +832,50 @@ def test_the_memory_refusal_names_the_flags_that_grew_the_state(module, args, gr
     line = one_line(err, 'GiB', f'lower {grown} (above its default), or --num-seeds')
     assert not any(flag in line for flag in innocent), line
     assert not os.path.exists(out)
+
+
+def test_an_env_setting_the_typed_flags_make_inert_is_not_applied(tmp_path, capsys):
+    """--env MetaMaze-misc --torso mlp: its --max-slice-length 200 (GRU
+    sequences) cannot act, so it is not applied, and the line says so; the
+    run goes on (here to --only-eval's refusal, before compiling)."""
+    out = str(tmp_path / 'run')
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as stop:
+        actor_critic.main(['--env', 'MetaMaze-misc', '--torso', 'mlp', '--only-eval',
+                           '--output-dir', out, '--compile-cache', 'none'])
+    captured = capsys.readouterr()
+    assert stop.value.code == 2
+    one_line(captured.err.strip().splitlines(), '--only-eval: no checkpoint')
+    assert 'not applied: --max-slice-length 200 (inert with the flags given)' in captured.out
+    assert '--batch-size 800' in captured.out  # the others are applied
+
+
+def test_a_refusal_says_which_value_came_from_the_env_settings(tmp_path, capsys):
+    out = str(tmp_path / 'run')
+    status, err = run_main(actor_critic.main, ['--env', 'MetaMaze-misc', '--n-envs', '7',
+                                               '--output-dir', out], 'none', capsys,
+                           small=['--quiet'])
+    assert status == 2
+    one_line(err, 'must be a multiple of --n-envs (7)',
+             '(--n-interactions-per-epoch 3200 is from the settings for MetaMaze-misc, not the '
+             'command line)')
+    assert not os.path.exists(out)
+
+
+def test_a_refusal_says_which_value_came_from_the_saved_run(tmp_path, capsys):
+    import dataclasses
+    out = str(tmp_path / 'run')
+    os.makedirs(out)
+    config = actor_critic.Config(env='MetaMaze-misc', **{
+        k: v for k, v in actor_critic.ENV_SETTINGS['MetaMaze-misc'].items()})
+    run_config = json.loads(json.dumps({'algorithm': 'actor_critic', **dataclasses.asdict(config),
+                                        'grid': {}, 'seed': 0, 'num_seeds': 1}))
+    rundir.save_checkpoint(os.path.join(out, 'checkpoint.npz'), {},
+                           {'config': run_config, 'epoch': 1})
+    before = open(os.path.join(out, 'checkpoint.npz'), 'rb').read()
+    status, err = run_main(actor_critic.main, ['--output-dir', out, '--torso', 'mlp'], 'none',
+                           capsys, small=['--quiet'])
+    assert status == 2
+    one_line(err, '--max-slice-length acts with --torso gru only',
+             f'(--max-slice-length 200 is from the run saved in {out}, not the command line)')
+    assert open(os.path.join(out, 'checkpoint.npz'), 'rb').read() == before
