@@ -377,6 +377,10 @@ def _run_experiment(make_agent, config, grid, args, prog):
         with _writer_lock(run.output_dir):  # one writer per run dir, from here on
             return _locked_experiment(run, args, prog)
     except Interrupted as stop:
+        if run.finished:
+            _fail(prog, f'interrupted ({signal.Signals(stop.signum).name}) after the run '
+                        f'finished: its results are complete in {run.output_dir} '
+                        '(summary.json); nothing to rerun', status=128 + stop.signum)
         _fail(prog, f'interrupted ({signal.Signals(stop.signum).name}); {_kept(run)}',
               status=128 + stop.signum)
     except StdoutLost as error:
@@ -450,6 +454,7 @@ class _Run:
     compile_s: float = 0.0
     start_epoch: int = 0
     history: list = dataclasses.field(default_factory=list)  # metric records so far
+    finished: bool = False  # summary.json written
 
     @property
     def checkpoint_path(self):
@@ -499,6 +504,17 @@ def _set_up(make_agent, config, grid, args, prog):
             if args.only_eval and not any(os.path.isfile(os.path.join(output_dir, name))
                                           for name in ('checkpoint.npz', 'checkpoint.prev.npz')):
                 # (checkpoint.npz alone is briefly absent while a running writer saves)
+                writer = rundir.lock_holder(output_dir)
+                if writer is not None:
+                    raise common.UsageError(
+                        f'another run (pid {writer}) is writing {output_dir} and has saved no '
+                        'checkpoint yet: --only-eval evaluates a checkpoint; rerun it after '
+                        "that run's first one (a minute, or its --checkpoint-every epoch)")
+                if os.path.isfile(os.path.join(output_dir, 'config.json')):
+                    raise common.UsageError(
+                        f'--only-eval: the run in {output_dir} stopped before its first '
+                        f'checkpoint, so there is nothing to evaluate; rerun it with '
+                        f'--output-dir {output_dir} (it starts again with its flags)')
                 raise common.UsageError(f'--only-eval: no checkpoint at {checkpoint_path}')
             _prepare_output_dir(output_dir, prog)
 
@@ -548,6 +564,11 @@ def _find_saved_run(run, only_eval):
                              'process shares')
         if run.resuming:
             epoch = _check_saved_config(run)['epoch']
+            if epoch > run.config.epochs and not only_eval:
+                raise common.UsageError(
+                    f'--epochs {run.config.epochs} is below the {epoch} epochs the run in '
+                    f'{run.output_dir} has done: give --epochs {epoch} or more to go on (or '
+                    'leave it out), or --only-eval to evaluate it; nothing was changed')
             if devices.is_writer() and not only_eval:  # what the run rewrites must be whole
                 rundir.check_history(rundir.read_history(run.metrics_path, epoch), epoch,
                                      len(run.runs), run.metrics_path)
@@ -706,9 +727,15 @@ def _only_eval(run, phases, state, args):
         return metrics
     records = rundir.metric_records(run.start_epoch, metrics, run.runs)
     rundir.write_jsonl(os.path.join(run.output_dir, 'eval.jsonl'), records)
+    if args.plot:  # the learning curves of metrics.jsonl, up to the checkpoint
+        rundir.plot_learning_curves(run.history, run.agent, run.config.env,
+                                    os.path.join(run.output_dir, rundir.PLOT_FILE))
     if not args.quiet:
         for name, values in metrics.items():
             say(f'epoch {run.start_epoch} {name}: {_mean_min(values)}')
+        if args.plot:
+            say(f'learning curves of epochs 1-{run.start_epoch} in '
+                f'{os.path.join(run.output_dir, rundir.PLOT_FILE)}')
     return metrics
 
 
@@ -788,8 +815,9 @@ def _epoch_loop(run, phases, state, args, prog):
                 _stop_after(run, epoch, lost, prog)
             if out_of_time and epoch < config.epochs:
                 if devices.is_writer():
-                    _show(f'time limit: stopped after epoch {epoch} of {config.epochs}; rerun '
-                          f'with --output-dir {run.output_dir} to go on', args)
+                    _show(f'time limit: stopped after epoch {epoch} of {config.epochs} '
+                          f'({_evaluation_note(run)}); rerun with --output-dir '
+                          f'{run.output_dir} to go on', args)
                 break
     return last
 
@@ -982,14 +1010,31 @@ def _finish(run, args):
                        run.compile_s, getattr(args, 'batch_invariant', True))
     rundir.atomic_write_bytes(os.path.join(run.output_dir, 'summary.json'),
                        json.dumps(summary, indent=2).encode())
+    run.finished = True  # a signal from here on stops nothing that a rerun would redo
     if args.plot:
         rundir.plot_learning_curves(run.history, run.agent, run.config.env,
                                     os.path.join(run.output_dir, rundir.PLOT_FILE))
     if not args.quiet:
         finals = summary['final_eval_return']
-        say(f'done: {len(run.runs)} run(s), final greedy return {_mean_min(finals)}, '
+        at = summary['final_eval_epoch']
+        said = '' if at in (None, summary['epochs']) else f" (epoch {at}'s evaluation)"
+        say(f'done: {len(run.runs)} run(s), final greedy return {_mean_min(finals)}{said}, '
             f'wall {summary["wall_s"]:.1f}s (compile {run.compile_s:.1f}s), '
             f'results in {run.output_dir}')
+    _signals.stopping = True  # said done: a signal now changes nothing (status 0)
+
+
+def _last_evaluation(history, key):
+    """The last epoch of `history` with an evaluation under `key` (None: none yet)."""
+    return max((r['epoch'] for r in history if key and r.get(key) is not None), default=None)
+
+
+def _evaluation_note(run):
+    """Which evaluation summary.json reports, for a run stopped before its last epoch."""
+    epoch = _last_evaluation(run.history, _final_eval_key(run.agent, run.config))
+    if epoch is None:
+        return 'no evaluation yet: summary.json has no final_eval_return'
+    return f"summary.json's final_eval_return is epoch {epoch}'s evaluation"
 
 
 def _final_eval_key(agent, config):
@@ -1007,6 +1052,10 @@ def _summary(agent, config, runs, history, wall_start, compile_s, batch_invarian
     final_epoch = max((record['epoch'] for record in history), default=0)
     final = sorted((r for r in history if r['epoch'] == final_epoch), key=lambda r: r['run'])
     key = _final_eval_key(agent, config)
+    # The latest evaluation: the last epoch's, unless --time-limit stopped the
+    # run between evaluations (then an earlier one's, and final_eval_epoch says which).
+    eval_epoch = _last_evaluation(history, key)
+    evaluated = sorted((r for r in history if r['epoch'] == eval_epoch), key=lambda r: r['run'])
     return {
         'algorithm': agent.name,
         'env': config.env,
@@ -1014,8 +1063,9 @@ def _summary(agent, config, runs, history, wall_start, compile_s, batch_invarian
         'runs': runs,
         'epochs': final_epoch,
         'env_steps_per_seed': [r.get('rl/n_interactions') for r in final],
-        'final_eval_return': [r.get(key) for r in final],
+        'final_eval_return': [r.get(key) for r in (evaluated if eval_epoch else final)],
         'final_eval_key': key,
+        'final_eval_epoch': eval_epoch,
         'wall_s': time.time() - wall_start,
         'compile_s': compile_s,
         'batch_invariant': batch_invariant,

@@ -369,6 +369,24 @@ def output_dir_lock(path):
         os.close(fd)  # releases the lock
 
 
+def lock_holder(path):
+    """The pid of another process holding path/run.lock (a run writing the
+    directory now), or None: the lock is tried shared and released at once."""
+    try:
+        fd = os.open(os.path.join(path, LOCK_FILE), os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return _lock_holder(fd)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)  # (releases a lock it took)
+    return None
+
+
 def _lock_holder(fd):
     """The pid the lock holder wrote (it writes it right after locking)."""
     for _ in range(20):

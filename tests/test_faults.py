@@ -879,3 +879,106 @@ def test_a_refusal_says_which_value_came_from_the_saved_run(tmp_path, capsys):
     one_line(err, '--max-slice-length acts with --torso gru only',
              f'(--max-slice-length 200 is from the run saved in {out}, not the command line)')
     assert open(os.path.join(out, 'checkpoint.npz'), 'rb').read() == before
+
+
+# ---------------------------------------------------------------------------
+# 15. Resume and evaluation edges (issue 37, class 9)
+# ---------------------------------------------------------------------------
+
+
+def _files(out):
+    return {name: open(os.path.join(out, name), 'rb').read() for name in sorted(os.listdir(out))
+            if os.path.isfile(os.path.join(out, name)) and name != 'run.lock'}
+
+
+def test_epochs_below_those_done_are_refused_and_nothing_is_rewritten(finished_run, cache_dir,
+                                                                     tmp_path, capsys):
+    out = str(tmp_path / 'run')
+    shutil.copytree(finished_run, out)
+    before = _files(out)
+    status, err = run_main(dqn.main, ['--output-dir', out, '--epochs', '2'], cache_dir, capsys)
+    assert status == 2
+    one_line(err, '--epochs 2 is below the 3 epochs the run in', '--epochs 3 or more')
+    assert _files(out) == before  # config.json keeps its 3 epochs
+
+
+def test_only_eval_while_another_run_writes_names_the_writer(tmp_path, capsys):
+    out = str(tmp_path / 'run')
+    os.makedirs(out)
+    with rundir.output_dir_lock(out):  # a run in its first minute: no checkpoint yet
+        status, err = run_main(dqn.main, ['--only-eval', '--output-dir', out], 'none', capsys)
+    assert status == 2
+    one_line(err, f'another run (pid {os.getpid()}) is writing {out}', 'no checkpoint yet')
+    assert rundir.lock_holder(out) is None  # the probe left no lock behind
+
+
+def test_only_eval_on_a_run_killed_before_its_first_checkpoint_says_so(finished_run, tmp_path,
+                                                                      capsys):
+    out = str(tmp_path / 'run')
+    _killed_before_its_first_checkpoint(finished_run, out)
+    status, err = run_main(dqn.main, ['--only-eval', '--output-dir', out], 'none', capsys)
+    assert status == 2
+    one_line(err, 'stopped before its first checkpoint', f'rerun it with --output-dir {out}')
+
+
+def test_only_eval_with_plot_draws_the_learning_curves(finished_run, cache_dir, tmp_path,
+                                                       capsys):
+    out = str(tmp_path / 'run')
+    shutil.copytree(finished_run, out)
+    assert not os.path.exists(os.path.join(out, 'learning_curve.png'))
+    status, err = run_main(dqn.main, ['--only-eval', '--plot', '--output-dir', out], cache_dir,
+                           capsys)
+    assert status == 0, err
+    assert os.path.getsize(os.path.join(out, 'learning_curve.png')) > 0
+    assert temp_files(out) == []
+
+
+def test_a_time_limit_stop_reports_the_latest_evaluation_and_says_which():
+    agent = types.SimpleNamespace(name='dqn', eval_tags=[(0.0, 40)])
+    config = types.SimpleNamespace(env='CartPole-v1', n_eval_episodes=2, epochs=100)
+    key = 'rl/avg_return_temperature0.00_steps40'
+    history = [{'epoch': epoch, 'run': run, 'seed': run, 'rl/n_interactions': 64 * epoch,
+                **({key: 10.0 * epoch + run} if epoch % 5 == 0 else {})}
+               for epoch in range(1, 8) for run in range(2)]
+    summary = cli._summary(agent, config, [{'seed': 0}, {'seed': 1}], history, 0.0, 0.0, True)
+    assert summary['epochs'] == 7 and summary['final_eval_epoch'] == 5
+    assert summary['final_eval_return'] == [50.0, 51.0]
+    run = types.SimpleNamespace(history=history, agent=agent, config=config)
+    assert "final_eval_return is epoch 5's evaluation" in cli._evaluation_note(run)
+    run.history = history[:8]  # epochs 1-4: no evaluation yet
+    assert 'no evaluation yet' in cli._evaluation_note(run)
+    summary = cli._summary(agent, config, [{'seed': 0}, {'seed': 1}], history[:8], 0, 0, True)
+    assert summary['final_eval_return'] == [None, None] and summary['final_eval_epoch'] is None
+
+
+def test_a_signal_after_the_summary_does_not_ask_for_a_rerun(finished_run, cache_dir, tmp_path,
+                                                            capsys, monkeypatch):
+    out = str(tmp_path / 'run')
+    shutil.copytree(finished_run, out)
+    say = cli.say
+
+    def say_then_signal(text):  # SIGTERM while the done line is said
+        if text.startswith('done:'):
+            os.kill(os.getpid(), signal.SIGTERM)
+        say(text)
+    monkeypatch.setattr(cli, 'say', say_then_signal)
+    loud = [a for a in SMALL if a != '--quiet']
+    status, err = run_main(dqn.main, ['--output-dir', out], cache_dir, capsys, small=loud)
+    assert status == 128 + signal.SIGTERM
+    line = one_line(err, 'interrupted (SIGTERM) after the run finished', 'nothing to rerun')
+    assert 'rerun with' not in line
+    assert json.load(open(os.path.join(out, 'summary.json')))['epochs'] == 3
+
+
+def test_a_signal_after_done_changes_nothing(finished_run, cache_dir, tmp_path, capsys,
+                                            monkeypatch):
+    out = str(tmp_path / 'run')
+    shutil.copytree(finished_run, out)
+    finish = cli._finish
+
+    def finish_then_signal(run, args):
+        finish(run, args)
+        os.kill(os.getpid(), signal.SIGTERM)  # after `done:`
+    monkeypatch.setattr(cli, '_finish', finish_then_signal)
+    status, err = run_main(dqn.main, ['--output-dir', out], cache_dir, capsys)
+    assert status == 0 and err == []
