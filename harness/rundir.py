@@ -361,8 +361,11 @@ def output_dir_lock(path):
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             raise common.UsageError(f'another run (pid {_lock_holder(fd)}) is writing {path}') from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f'{os.getpid()}\n'.encode(), 0)
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f'{os.getpid()}\n'.encode(), 0)
+        except OSError as error:  # a full disk: named like every other write
+            raise _naming(error, lock_path)
         remove_temp_files(path)
         yield
     finally:

@@ -533,6 +533,16 @@ def test_a_failing_writer_ends_the_run_in_one_line_naming_its_file(writer, finis
     assert metrics(out) == metrics(finished_run)
 
 
+def test_a_full_disk_at_the_run_lock_names_it(tmp_path, capsys, monkeypatch):
+    def pwrite(fd, data, offset):
+        raise OSError(errno.ENOSPC, 'No space left on device')
+    monkeypatch.setattr(os, 'pwrite', pwrite)
+    out = str(tmp_path / 'run')
+    status, err = run_main(dqn.main, ['--output-dir', out], 'none', capsys)
+    assert status == 1
+    one_line(err, 'run.lock', '(ENOSPC)', 'no checkpoint was saved')
+
+
 def test_tensorboard_events_are_written_in_the_callers_thread(tmp_path):
     """No writer thread: nothing can die out of sight, fill a queue and block
     the run, or be joined at exit."""
