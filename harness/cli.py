@@ -264,10 +264,12 @@ def _main(config_cls, make_agent, check_hyperparameters, prog, description, argv
     try:
         saved = flags.saved_run_config(args.output_dir)
         unsaved = None if saved is not None else flags.unsaved_run_config(args.output_dir)
+        saved_flags = saved  # the layer of a saved run's flags, if any
         args.sees_saved_run = saved is not None  # processes must agree (check_same_flags)
         if saved is not None:  # resume: what the command line leaves out is the saved run's
             flags.take_saved_config(config_cls, args, saved)
         elif unsaved is not None and flags.take_saved_config(config_cls, args, unsaved):
+            saved_flags = unsaved
             # a run killed before its first checkpoint: rerun with its flags
             if not args.quiet and not args.only_eval:
                 say(f'{prog}: {args.output_dir} holds a run that stopped before its first '
@@ -278,9 +280,9 @@ def _main(config_cls, make_agent, check_hyperparameters, prog, description, argv
                 f'{flags.settings_flags({settings_mode_field: getattr(args, settings_mode_field)})}')
         args.setting_sources = {  # where each value not typed came from, for messages
             **{name: f'the settings for {args.env}' for name in applied or {}},
-            **{name: f'the run saved in {args.output_dir}' for name in (saved or unsaved or {})
+            **{name: f'the run saved in {args.output_dir}' for name in (saved_flags or {})
                if name not in args.given}}
-        fresh = saved is None and not (unsaved is not None and 'algorithm' in unsaved)
+        fresh = saved_flags is None
 
         def check(config, grid):
             common.check_fields(config, grid)
