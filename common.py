@@ -1226,10 +1226,17 @@ def check_fields(config, grid=None):
                                      f'{_show(value)}')
 
 
+def show_float(value):
+    """A float as short as `g` writes it where that is the same number, else
+    in full (repr): 1.0000001 must not read as 1 beside the bound it breaks."""
+    short = f'{value:g}'
+    return short if float(short) == value or not math.isfinite(value) else repr(value)
+
+
 def _show(value):
     if isinstance(value, tuple):
-        return ','.join(f'{v:g}' if isinstance(v, float) else str(v) for v in value)
-    return f'{value:g}' if isinstance(value, float) else repr(value) if isinstance(
+        return ','.join(show_float(v) if isinstance(v, float) else str(v) for v in value)
+    return show_float(value) if isinstance(value, float) else repr(value) if isinstance(
         value, str) else str(value)
 
 

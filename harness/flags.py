@@ -377,16 +377,22 @@ def check_run_flags(args):
         raise common.UsageError(f'--seed must be in [0, {common.INT32_MAX} - num_seeds + 1], got {args.seed}')
     time_limit = getattr(args, 'time_limit', None)
     if time_limit is not None and not 0 < time_limit < float('inf'):
-        raise common.UsageError(f'--time-limit must be a number of seconds > 0, got {time_limit:g}')
+        raise common.UsageError(f'--time-limit must be a number of seconds > 0, got {common.show_float(time_limit)}')
     timeout = getattr(args, 'coordinator_timeout', 60.0)
     if not 1 <= timeout <= 86400:
-        raise common.UsageError(f'--coordinator-timeout must be in [1, 86400] seconds, got {timeout:g}')
+        raise common.UsageError(f'--coordinator-timeout must be in [1, 86400] seconds, got {common.show_float(timeout)}')
     devices.check_process_flags(args)
 
 
 def _as_float32(value):
     with np.errstate(over='ignore', under='ignore'):
         return float(np.float32(value))
+
+
+def _show32(value):
+    """A float32 value, as short as names it exactly (0.99999994, not 1)."""
+    short = f'{value:g}'
+    return short if _as_float32(float(short)) == value else str(np.float32(value))
 
 
 def float32_values(config, grid, names):
@@ -427,7 +433,7 @@ def check_as_float32(config, grid, check):
             return False
         culprits = [name for name in floats if typed(name) and fails_alone(name)] or \
             [name for name in floats if typed(name)]
-        said = ', '.join(f'--{name.rstrip("_").replace("_", "-")} {entry!r} is {value:g}'
+        said = ', '.join(f'--{name.rstrip("_").replace("_", "-")} {entry!r} is {_show32(value)}'
                          for name in culprits for entry, value in typed(name))
         raise common.UsageError(f'{error} (in float32, the precision the program computes '
                                 f'in: {said})') from None
