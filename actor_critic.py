@@ -130,6 +130,16 @@ class Config:
         'and after each (Trax: 1)', bounds='[1, inf)')
     scale_value_targets: bool = common.option(
         False, 'the value network predicts V * (1 - gamma) (Trax: off)')
+    joint: bool = common.option(
+        False, 'one loss, one Adam (--lr), one step per minibatch: the policy objective + '
+        '--value-loss-coeff x the value loss - the entropy bonus (Trax\'s ActorCriticJointAgent; '
+        'PureJaxRL); the value network\'s own --value-* steps and optimiser are gone')
+    shared_torso: bool = common.option(
+        False, '--joint: the policy and value heads share one torso (Trax\'s joint model); '
+        'without it each has its own (PureJaxRL, CleanRL)')
+    value_loss_coeff: float = common.option(
+        0.5, '--joint: the value loss\'s weight in the combined loss (Trax\'s PPOJoint: 0.1; '
+        'PureJaxRL: 0.5 on half the squared error)', sweep=True, bounds='[0, inf)')
     torso: str = common.option(
         'auto', 'policy and value torso: mlp, conv (3x3 convs, ReLU, flatten), auto (conv '
         'for [height, width, channels] observations, mlp otherwise) or gru: auto\'s layers, '
@@ -198,13 +208,17 @@ class State(NamedTuple):
     env_state: object
     obs: jax.Array
     episode_return: jax.Array  # running undiscounted return of each env
-    memory: dict  # --torso gru: each env's GRU states {'policy', 'value': [n_envs, H]}; else {}
+    memory: dict  # --torso gru: each env's GRU states {'policy', 'value': [n_envs, H]}
+    # ('policy' alone with --shared-torso); else {}
     key: jax.Array  # the training stream: split at each use
     eval_key: jax.Array  # the evaluation stream's root, never advanced (common.evaluation_key)
     epoch: jax.Array  # completed epochs
     train_step: jax.Array  # policy gradient steps
     n_interactions: jax.Array
     n_trajectories: jax.Array
+    # --joint: the value network (with --shared-torso its head alone, on the
+    # policy's torso), trained by opt_state with the policy; no value
+    # optimiser, target copy or step count of its own (all ()).
     value_params: list
     value_opt_state: tuple
     target_value_params: list  # the copy the value targets are computed with
@@ -519,10 +533,10 @@ def recurrent_values(spec, value_params, rows):
     rows [R, T]: the value network over each row's sequences from their stored
     GRU states; V(final_obs_t) steps the GRU once more from the state after
     step t (before its reset), V(last_obs) from the row's last state."""
-    policy, net = spec.policy, value_params
+    policy, net, name = spec.policy, value_params, value_memory_name(spec)
     sequence = lambda x: common.sequences(x, spec.slice_length)
     after = common.features_of(policy, net, sequence(rows.obs),
-                               (sequence(rows.memory['value'])[:, 0], sequence(resets(rows))))
+                               (sequence(rows.memory[name])[:, 0], sequence(resets(rows))))
     after = after.reshape(rows.reward.shape + (-1,))  # [R, T, H]: the state after each step
 
     def value_from(hidden, obs):  # one more GRU step, then the head
@@ -530,7 +544,55 @@ def recurrent_values(spec, value_params, rows):
         return common.network_head(net, common.gru_step(net['gru'], hidden, inputs))[..., 0]
 
     return (common.network_head(net, after)[..., 0], value_from(after, rows.final_obs),
-            value_from(rows.last_memory['value'], rows.last_obs))
+            value_from(rows.last_memory[name], rows.last_obs))
+
+
+def value_memory_name(spec):
+    """Whose GRU states the value network runs from: its own, or with
+    --shared-torso the policy's (one torso, one GRU)."""
+    return 'policy' if spec.config.shared_torso else 'value'
+
+
+def with_head(net, head):
+    """init_network's params `net` with its last layer replaced by `head`."""
+    if common.is_recurrent(net):
+        return {**net, 'head': [head]}
+    if isinstance(net, dict) and 'conv' in net:
+        return {**net, 'mlp': net['mlp'][:-1] + [head]}
+    return net[:-1] + [head]
+
+
+def value_network(spec, params, value_params):
+    """The value network's params as value_net reads them: its own, or with
+    --shared-torso the policy's torso under the value head (`value_params`),
+    so the value loss's gradient reaches the shared torso."""
+    if not spec.config.shared_torso:
+        return value_params
+    return with_head(params['net'], value_params)
+
+
+def init_value_params(spec, key):
+    """A separate value network (Trax's n_shared_layers 0), or with
+    --shared-torso a head on the policy's features; its last layer small as
+    the policy's, so early targets are about the rewards' scale."""
+    policy = spec.policy
+    if spec.config.shared_torso:
+        return common.init_mlp(key, [policy.latent_size, 1], last_scale=0.01)[0]
+    return common.init_network(key, policy.obs_shape, policy.hidden_sizes, 1, policy.torso,
+                               policy.conv_channels, last_scale=0.01, gru_size=policy.gru_size)
+
+
+def init_optimizers(spec, hp, params, value_params):
+    """{State field: initial value} of the optimisers: the policy's and the
+    value network's, or with --joint one over both and () for the value's
+    own (its target copy and step count too)."""
+    zero = jnp.zeros((), jnp.int32)
+    if spec.config.joint:
+        return dict(opt_state=optimizer(spec, hp).init({'policy': params, 'value': value_params}),
+                    value_opt_state=(), target_value_params=(), value_train_step=())
+    return dict(opt_state=optimizer(spec, hp).init(params),
+                value_opt_state=value_optimizer(spec, hp).init(value_params),
+                target_value_params=value_params, value_train_step=zero)
 
 
 def init(spec, key, hp):
@@ -539,13 +601,10 @@ def init(spec, key, hp):
     params, obs, env_state, key = common.init_policy(policy, key, hp, spec.n_envs,
                                                      spec.fresh_episodes)
     zero = jnp.zeros((), jnp.int32)
-    # A separate value network (Trax's n_shared_layers 0), its last layer
-    # small as the policy's, so early targets are about the rewards' scale.
     value_key, key = jax.random.split(key)
-    value_params = common.init_network(value_key, policy.obs_shape, policy.hidden_sizes, 1,
-                                       policy.torso, policy.conv_channels, last_scale=0.01,
-                                       gru_size=policy.gru_size)
-    memory = common.initial_memory(policy, ['policy', 'value'], spec.n_envs)
+    value_params = init_value_params(spec, value_key)
+    memory = common.initial_memory(policy, dict.fromkeys(['policy', value_memory_name(spec)]),
+                                   spec.n_envs)
     slots = (spec.config.n_replay_epochs, spec.n_envs)
     rows = lambda shape, dtype: jnp.zeros(slots + (spec.steps,) + shape, dtype)
     obs_dtype = policy.obs_dtype
@@ -558,19 +617,19 @@ def init(spec, key, hp):
                      last_obs=jnp.zeros(slots + policy.obs_shape, obs_dtype),
                      memory=jax.tree.map(lambda h: rows(h.shape[1:], h.dtype), memory),
                      last_memory=jax.tree.map(lambda h: jnp.zeros(slots + h.shape[1:]), memory))
-    return State(params=params, opt_state=optimizer(spec, hp).init(params),
-                 env_state=env_state, obs=obs, episode_return=jnp.zeros(spec.n_envs),
-                 memory=memory, key=key,
+    return State(params=params, env_state=env_state, obs=obs,
+                 episode_return=jnp.zeros(spec.n_envs), memory=memory, key=key,
                  eval_key=eval_key, epoch=zero, train_step=zero, n_interactions=zero, n_trajectories=zero,
-                 value_params=value_params,
-                 value_opt_state=value_optimizer(spec, hp).init(value_params),
-                 target_value_params=value_params, value_train_step=zero, replay=replay)
+                 value_params=value_params, replay=replay,
+                 **init_optimizers(spec, hp, params, value_params))
 
 
 def collect(spec, hp, state):
     """One epoch of temperature-1 experience into its slot of `state.replay`."""
-    nets = ({'policy': state.params['net'], 'value': state.value_params}
-            if spec.policy.gru_size else {})
+    nets = {}
+    if spec.policy.gru_size:  # each GRU steps: the policy's, the value network's own
+        nets = {'policy': state.params['net'],
+                **({} if spec.config.shared_torso else {'value': state.value_params})}
     key, carry, rec = common.collect_rollout(spec.policy, state, spec.n_envs, spec.steps,
                                              spec.fresh_episodes, final_obs=True, nets=nets)
     # An episode cut by the row's end in n_trajectories mode (only if the
@@ -703,28 +762,69 @@ def policy_objective(spec, params, batch, hp):
     return policy_loss - hp['entropy_coeff'] * mean_entropy, metrics
 
 
+def joint_objective(spec, nets, batch, hp):
+    """--joint's one loss on a minibatch: the policy objective (entropy bonus
+    included) + value_loss_coeff * the value network's L2 loss. `nets`:
+    {'policy': params, 'value': value_params}."""
+    loss, metrics = policy_objective(spec, nets['policy'], batch, hp)
+    net = value_network(spec, nets['policy'], nets['value'])
+    memory = ((batch['value_memory'], batch['reset']) if 'value_memory' in batch
+              else sequence_memory(batch))  # separate GRUs, or the shared one
+    value_loss_ = value_loss(value_net(spec, net, batch['obs'], memory), batch['targets'],
+                             batch['weight'])
+    metrics = {**metrics, 'metrics/value_loss': value_loss_}
+    return loss + hp['value_loss_coeff'] * value_loss_, metrics
+
+
 def policy_step(spec, hp, data, minibatch, state, i):
-    """One policy gradient step on step i's minibatch of `data`."""
+    """One gradient step on step i's minibatch of `data`: of the policy's
+    objective, or with --joint of the combined loss over both networks."""
     index = minibatch(i)
     batch = data if index is None else jax.tree.map(lambda x: x[index], data)
-    grads, metrics = jax.grad(functools.partial(policy_objective, spec), has_aux=True)(
-        state.params, batch, hp)
+    if spec.config.joint:
+        objective, params = joint_objective, {'policy': state.params, 'value': state.value_params}
+    else:
+        objective, params = policy_objective, state.params
+    grads, metrics = jax.grad(functools.partial(objective, spec), has_aux=True)(params, batch, hp)
     grads = clip_by_global_norm(grads, hp['max_grad_norm'])
-    updates, opt_state = optimizer(spec, hp).update(grads, state.opt_state, state.params)
-    return state._replace(params=optax.apply_updates(state.params, updates),
-                          opt_state=opt_state, train_step=state.train_step + 1), metrics
+    updates, opt_state = optimizer(spec, hp).update(grads, state.opt_state, params)
+    params = optax.apply_updates(params, updates)
+    if spec.config.joint:
+        state = state._replace(params=params['policy'], value_params=params['value'])
+    else:
+        state = state._replace(params=params)
+    return state._replace(opt_state=opt_state, train_step=state.train_step + 1), metrics
+
+
+def joint_data(spec, hp, data, replay, adv, values):
+    """--joint: the policy's minibatch data plus the value targets V + A
+    (value_chunk's, from the network before this epoch's steps) and, with
+    separate GRUs, the value network's stored states -> (data, metrics)."""
+    scale = value_scale(spec, hp)
+    targets = units(spec, values + adv) / scale
+    data = {**data, 'targets': targets}
+    if spec.policy.gru_size and not spec.config.shared_torso:
+        data['value_memory'] = units(spec, replay.memory['value'])[:, 0]
+    weight = data['weight']
+    return data, {'metrics/value_mean': masked_mean(units(spec, values), weight),
+                  'metrics/returns_mean': masked_mean(targets * scale, weight)}
 
 
 def policy_chunks(spec, hp, state, key):
     """train_steps_per_epoch policy steps (evals_per_epoch chunks) on the
-    replay's steps, advantages from the value network just trained."""
+    replay's steps, advantages from the value network just trained (--joint:
+    from the one about to train with the policy, its targets fixed too)."""
     replay = state.replay
-    adv, _ = advantages_of(spec, hp, state.value_params, replay)
+    adv, values = advantages_of(spec, hp, value_network(spec, state.params, state.value_params),
+                                replay)
     weight = units(spec, replay.valid).astype(jnp.float32)
-    adv = units(spec, adv)
     data = with_memory(spec, {'obs': units(spec, replay.obs),
-                              'action': units(spec, replay.action), 'adv': adv,
+                              'action': units(spec, replay.action), 'adv': units(spec, adv),
                               'weight': weight}, replay, 'policy')
+    raw = {}
+    if spec.config.joint:
+        data, raw = joint_data(spec, hp, data, replay, adv, values)
+    adv = data['adv']
     # The collecting policy's log-probs (Trax keeps its dist_inputs in the
     # trajectory): the policy has not changed since it collected (PPO and A2C
     # replay one epoch, the latest; AWR does not use them).
@@ -732,9 +832,9 @@ def policy_chunks(spec, hp, state, key):
                              jax.lax.stop_gradient(common.log_prob_and_entropy(
                                  spec.policy, state.params, data['obs'], data['action'],
                                  sequence_memory(data))[0]))
-    raw = {'metrics/advantage_mean': masked_mean(adv, weight),
-           'metrics/advantage_std': jnp.sqrt(masked_mean(
-               (adv - masked_mean(adv, weight)) ** 2, weight))}
+    raw.update({'metrics/advantage_mean': masked_mean(adv, weight),
+                'metrics/advantage_std': jnp.sqrt(masked_mean(
+                    (adv - masked_mean(adv, weight)) ** 2, weight))})
     config = spec.config
     minibatch = minibatches(spec, key, weight, config.train_steps_per_epoch, config.batch_size)
     step = functools.partial(policy_step, spec, hp, data, minibatch)
@@ -750,16 +850,24 @@ def policy_chunks(spec, hp, state, key):
 
 
 def train(spec, hp, state):
-    """Value training first, then the policy (Trax's order)."""
+    """Value training first, then the policy (Trax's order); --joint: both in
+    the policy's steps, on one loss."""
     key, value_key, policy_key = jax.random.split(state.key, 3)
+    if spec.config.joint:
+        state, metrics = policy_chunks(spec, hp, state._replace(key=key), policy_key)
+        return finish_train(spec, state, metrics)
     # Trax syncs the target network before value training, too.
     state = state._replace(key=key, target_value_params=state.value_params)
     state, value_metrics = jax.lax.scan(
         lambda s, k: value_chunk(spec, hp, s, k), state,
         jax.random.split(value_key, spec.config.value_evals_per_epoch))
     state, metrics = policy_chunks(spec, hp, state, policy_key)
-    state = state._replace(epoch=state.epoch + 1)
     metrics.update(jax.tree.map(lambda m: m[-1], value_metrics))  # the last chunk's
+    return finish_train(spec, state, metrics)
+
+
+def finish_train(spec, state, metrics):
+    state = state._replace(epoch=state.epoch + 1)
     if spec.policy.kind == 'box':
         metrics['metrics/log_std'] = jnp.mean(state.params['log_std'])
     return state, metrics
@@ -900,15 +1008,27 @@ MODE_ENV_SETTINGS = {
 }
 
 
-def env_settings(policy_loss, env):
+# The value network's own trainer (Trax's value_* settings): under --joint
+# it trains in the policy's steps, so these cannot act there.
+VALUE_ONLY = ('value_lr', 'value_batch_size', 'value_train_steps_per_epoch',
+              'value_evals_per_epoch')
+
+
+def env_settings(policy_loss, env, joint=False):
     """The per-env settings table for a command line asking for `policy_loss`
     and `env`: ENV_SETTINGS (PPO's entries) for ppo; for a2c and awr, the
     mode's settings for `env` and each env of its MODE_ENV_SETTINGS, that
-    env's entry over them."""
+    env's entry over them. `joint`: without the VALUE_ONLY fields."""
     if policy_loss not in MODE_SETTINGS:
-        return ENV_SETTINGS
-    own, per_env = MODE_SETTINGS[policy_loss], MODE_ENV_SETTINGS[policy_loss]
-    return {name: {**own, **per_env.get(name, {})} for name in dict.fromkeys([env, *per_env])}
+        table = ENV_SETTINGS
+    else:
+        own, per_env = MODE_SETTINGS[policy_loss], MODE_ENV_SETTINGS[policy_loss]
+        table = {name: {**own, **per_env.get(name, {})}
+                 for name in dict.fromkeys([env, *per_env])}
+    if not joint:
+        return table
+    return {name: {k: v for k, v in entry.items() if k not in VALUE_ONLY}
+            for name, entry in table.items()}
 
 
 def check_config(config: Config):
@@ -936,6 +1056,22 @@ def check_config(config: Config):
     if config.value_train_steps_per_epoch % config.value_evals_per_epoch:
         raise error(f'--value-train-steps-per-epoch ({config.value_train_steps_per_epoch}) must '
                     f'be divisible by --value-evals-per-epoch ({config.value_evals_per_epoch})')
+    check_joint(config)
+
+
+def check_joint(config):
+    """--shared-torso needs --joint; the value trainer's own flags cannot act
+    under it (saved, they would bind a resume while changing nothing)."""
+    error = common.UsageError
+    if config.shared_torso and not config.joint:
+        raise error('--shared-torso acts with --joint only: separate losses need separate '
+                    'networks')
+    if config.joint:
+        for name in VALUE_ONLY[1:]:  # value_lr, a sweep, is check_hyperparameters'
+            if getattr(config, name) != getattr(Config, name):
+                raise error(f'--{name.replace("_", "-")} acts without --joint only: under it the '
+                            'value network trains in the policy\'s steps (--batch-size, '
+                            '--train-steps-per-epoch)')
 
 
 def check_slices(config, policy, steps):
@@ -968,6 +1104,13 @@ MODE_ONLY = {'epsilon': ('policy_loss', ('ppo',)), 'beta': ('policy_loss', ('awr
 def check_hyperparameters(config, runs):
     """Cross-field rules on swept values (each value's range: common.check_fields)."""
     defaults = {field.name: field.default for field in dataclasses.fields(Config)}
+    # A swept field of one trainer only: --value-lr without --joint, and
+    # --value-loss-coeff with it.
+    off = 'value_loss_coeff' if not config.joint else 'value_lr'
+    if any(np.float32(run.get(off, defaults[off])) != np.float32(defaults[off]) for run in runs):
+        raise common.UsageError(
+            '--value-loss-coeff acts with --joint only' if off == 'value_loss_coeff' else
+            '--value-lr acts without --joint only: under it one Adam at --lr trains both')
     for run in runs:
         if config.scale_value_targets and run['gamma'] == 1:
             raise common.UsageError('--scale-value-targets divides by 1 - gamma: it needs '
@@ -992,7 +1135,7 @@ def main(argv=None):
         [arg for arg in argv if arg not in ('-h', '--help')])
     return cli.main(Config, make_agent, check_hyperparameters, 'actor_critic.py',
                     __doc__.split('\n\n')[0], argv,
-                    env_settings=env_settings(asked.policy_loss, asked.env),
+                    env_settings=env_settings(asked.policy_loss, asked.env, asked.joint),
                     settings_mode_field='policy_loss')
 
 

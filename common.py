@@ -31,6 +31,7 @@ import numpy as np
 # rewritten with jnp/lax so they jit and vmap (Trax wrote into numpy arrays).
 # Every array is [batch, length]; a result is [batch, length - margin].
 # Inputs are checked with chex, as rlax does, while tracing: free at run time.
+# td_lambda and gae also have an associative_scan form for GPU/TPU (`scan`).
 # ---------------------------------------------------------------------------
 
 
@@ -117,6 +118,33 @@ def td_k(gamma, margin):
     return estimator
 
 
+SCANS = ('auto', 'sequential', 'associative')
+
+
+def resolve_scan(scan):
+    """'auto' -> 'associative' on a GPU/TPU backend, 'sequential' on CPU: a lax.scan
+    is cheap on CPU but runs its steps one kernel after another on an accelerator
+    (rlax PR #168: 4.5x at batch x time 1024 x 16); the CPU keeps the sequential
+    form, so CPU results stay what they were."""
+    if scan not in SCANS:
+        raise ValueError(f'scan must be one of {SCANS}, got {scan!r}')
+    if scan == 'auto':
+        return 'sequential' if jax.default_backend() == 'cpu' else 'associative'
+    return scan
+
+
+def reverse_affine_scan(a, b):
+    """x[:, t] = a[:, t] * x[:, t + 1] + b[:, t] along axis 1, from the end (x
+    past the end is 0), in O(log length) depth: each step is the affine map
+    x -> a x + b, and maps compose associatively, earlier after later:
+    (a1, b1) o (a2, b2) = (a1 a2, a1 b2 + b1)."""
+    def compose(later, earlier):  # reverse=True hands the later (accumulated) map first
+        (a_later, b_later), (a_earlier, b_earlier) = later, earlier
+        return a_earlier * a_later, a_earlier * b_later + b_earlier
+
+    return jax.lax.associative_scan(compose, (a, b), reverse=True, axis=1)[1]
+
+
 def _lambda_estimator_inputs(gamma, lambda_, values, dones, discount_mask):
     gammas = mask_discount(gamma, discount_mask).astype(values.dtype)
     lambdas = mask_discount(lambda_, discount_mask).astype(values.dtype)
@@ -124,14 +152,24 @@ def _lambda_estimator_inputs(gamma, lambda_, values, dones, discount_mask):
     return gammas, lambdas, not_done
 
 
-def td_lambda(gamma, margin, lambda_=0.95):
-    """TD(lambda) return minus value, computed backwards from the last value."""
+def td_lambda(gamma, margin, lambda_=0.95, scan='auto'):
+    """TD(lambda) return minus value, computed backwards from the last value;
+    `scan` as `resolve_scan`."""
+    resolve_scan(scan)  # fails now on a bad name, not at trace time
+
     def estimator(rewards, returns, values, dones, discount_mask):
         _check_estimator_inputs('td_lambda estimator', rewards, returns, values, dones,
                                 discount_mask)
         gammas, lambdas, not_done = _lambda_estimator_inputs(
             gamma, lambda_, values, dones, discount_mask)
         length = returns.shape[1]
+        if resolve_scan(scan) == 'associative':
+            # G_i = a_i G_{i+1} + b_i; the appended map (0, V_last) sets G's last column.
+            discount = not_done[:, :-1] * gammas[:, :-1]
+            bootstrap = rewards[:, :-1] + discount * (1 - lambdas[:, :-1]) * values[:, 1:]
+            a = jnp.concatenate([discount * lambdas[:, :-1], jnp.zeros_like(values[:, -1:])], 1)
+            b = jnp.concatenate([bootstrap, values[:, -1:]], 1)
+            return (reverse_affine_scan(a, b) - values)[:, :length - margin]
 
         def step(next_return, xs):
             reward, cont, g, lam, next_value = xs
@@ -147,14 +185,25 @@ def td_lambda(gamma, margin, lambda_=0.95):
     return estimator
 
 
-def gae(gamma, margin, lambda_=0.95):
-    """Generalised advantage estimation; the last step's advantage is 0."""
+def gae(gamma, margin, lambda_=0.95, scan='auto'):
+    """Generalised advantage estimation; the last step's advantage is 0; `scan`
+    as `resolve_scan`."""
+    resolve_scan(scan)
+
     def estimator(rewards, returns, values, dones, discount_mask):
         _check_estimator_inputs('gae estimator', rewards, returns, values, dones,
                                 discount_mask)
         gammas, lambdas, not_done = _lambda_estimator_inputs(
             gamma, lambda_, values, dones, discount_mask)
         length = returns.shape[1]
+        if resolve_scan(scan) == 'associative':
+            # A_i = a_i A_{i+1} + delta_i; the appended map (0, 0) is the last step's A = 0.
+            discount = not_done[:, :-1] * gammas[:, :-1]
+            delta = rewards[:, :-1] - values[:, :-1] + discount * values[:, 1:]
+            zero = jnp.zeros_like(values[:, -1:])
+            a = jnp.concatenate([discount * lambdas[:, :-1], zero], 1)
+            b = jnp.concatenate([delta, zero], 1)
+            return reverse_affine_scan(a, b)[:, :length - margin]
 
         def step(next_advantage, xs):
             reward, cont, g, lam, value, next_value = xs

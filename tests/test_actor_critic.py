@@ -507,6 +507,9 @@ AC_CARTPOLE = dict(n_trajectories_per_epoch=None, n_envs=16, advantage_estimator
     # A2C: 2 full-batch steps on 1024 steps per epoch.
     ('a2c', dict(n_interactions_per_epoch=1024, train_steps_per_epoch=2, batch_size=0,
                  value_batch_size=128, value_train_steps_per_epoch=32, lr=1e-3, epochs=120)),
+    # --joint PPO (separate torsos): the same 64 steps of 128 on one loss, one Adam.
+    ('ppo', dict(n_interactions_per_epoch=2048, train_steps_per_epoch=64, batch_size=128,
+                 lr=1e-3, epochs=100, joint=True, value_loss_coeff=0.5)),
 ])
 def test_actor_critic_solves_cartpole(policy_loss, overrides):
     config = ac.Config(policy_loss=policy_loss, **AC_CARTPOLE, **overrides)
@@ -539,6 +542,14 @@ def test_actor_critic_solves_cartpole(policy_loss, overrides):
     (['--policy-loss', 'ppo', '--beta', '2'], '--beta acts with --policy-loss awr'),
     (['--policy-loss', 'ppo', '--w-max', '5'], '--w-max acts'),
     (['--advantage-estimator', 'td_k', '--lambda', '0.9'], '--lambda acts with'),
+    # --joint: one loss, one optimiser; the value trainer's own flags cannot act.
+    (['--shared-torso'], '--shared-torso acts with --joint only'),
+    (['--value-loss-coeff', '0.1'], '--value-loss-coeff acts with --joint only'),
+    (['--joint', '--value-lr', '3e-4'], '--value-lr acts without --joint only'),
+    (['--joint', '--value-batch-size', '64'], '--value-batch-size acts without --joint'),
+    (['--joint', '--value-train-steps-per-epoch', '8'], '--value-train-steps-per-epoch acts'),
+    (['--joint', '--value-evals-per-epoch', '2'], '--value-evals-per-epoch acts'),
+    (['--joint', '--value-loss-coeff', '-1'], '--value-loss-coeff'),
 ])
 def test_bad_actor_critic_input_exits_2_with_one_line(argv, message, tmp_path, capsys):
     out = tmp_path / 'bad'
@@ -818,3 +829,85 @@ def test_help_documents_every_field(capsys):
     out = capsys.readouterr().out
     assert 'CartPole-v1: --policy-loss awr --n-replay-epochs' in out
     assert '--policy-loss ppo' not in out
+
+
+# ---------------------------------------------------------------------------
+# --joint (Trax's ActorCriticJointAgent) and --shared-torso.
+# ---------------------------------------------------------------------------
+
+
+def np_mlp(layers, x):
+    """An init_mlp network by hand: ReLU after each layer but the last."""
+    for layer in layers[:-1]:
+        x = np.maximum(x @ np.asarray(layer['w']) + np.asarray(layer['b']), 0.0)
+    return x @ np.asarray(layers[-1]['w']) + np.asarray(layers[-1]['b'])
+
+
+@pytest.mark.parametrize('shared', [False, True])
+def test_joint_loss_by_hand(shared):
+    """PPO's clipped objective on normalised advantages, minus 0.01 x the
+    entropy, plus value_loss_coeff x the weighted L2 towards the targets; the
+    value head's bias gradient is coeff x 2 mean_w(V - target)."""
+    config = ac_config(joint=True, shared_torso=shared, policy_loss='ppo', hidden_sizes=(5,),
+                       entropy_coeff=0.01, value_batch_size=ac.Config.value_batch_size,
+                       value_train_steps_per_epoch=ac.Config.value_train_steps_per_epoch)
+    agent = ac.make_agent(config)
+    hp = {**single_hp(config), 'value_loss_coeff': jnp.float32(0.3)}
+    state = agent.init(jax.random.PRNGKey(0), hp)
+    nets = {'policy': state.params, 'value': state.value_params}
+    rng = np.random.default_rng(1)
+    n = 8
+    batch = {'obs': rng.normal(size=(n, 2)).astype(np.float32),
+             'action': rng.integers(0, agent.spec.policy.n_outputs, n).astype(np.int32),
+             'adv': rng.normal(size=n).astype(np.float32) * 3,
+             'old_log_probs': np.log(rng.uniform(0.2, 0.8, n)).astype(np.float32),
+             'targets': rng.normal(size=n).astype(np.float32) * 2,
+             'weight': np.array([1, 1, 0, 1, 1, 1, 1, 0], np.float32)}
+    loss, metrics = ac.joint_objective(agent.spec, nets, jax.tree.map(jnp.asarray, batch), hp)
+
+    w, a = batch['weight'], batch['adv']
+    mean = lambda x: (w * x).sum() / w.sum()
+    a = (a - mean(a)) / (np.sqrt(mean((a - mean(a)) ** 2)) + 1e-5)
+    net = state.params['net']
+    probs = softmax_np(np_mlp(net, batch['obs']))
+    ratio = probs[np.arange(n), batch['action']] / np.exp(batch['old_log_probs'])
+    objective = np.minimum(ratio * a, np.clip(ratio, 0.8, 1.2) * a)
+    entropy = -(probs * np.log(probs)).sum(1)
+    value_layers = net[:-1] + [state.value_params] if shared else state.value_params
+    value = np_mlp(value_layers, batch['obs'])[:, 0]
+    l2 = mean((value - batch['targets']) ** 2)
+    assert float(metrics['metrics/value_loss']) == pytest.approx(l2, rel=1e-5)
+    assert float(loss) == pytest.approx(-mean(objective) - 0.01 * mean(entropy) + 0.3 * l2,
+                                        rel=1e-5)
+    grads = jax.grad(lambda nets: ac.joint_objective(
+        agent.spec, nets, jax.tree.map(jnp.asarray, batch), hp)[0])(nets)
+    head = grads['value'] if shared else grads['value'][-1]
+    assert float(head['b'][0]) == pytest.approx(0.3 * 2 * mean(value - batch['targets']),
+                                                rel=1e-4)
+
+
+@pytest.mark.parametrize('shared', [False, True])
+def test_joint_with_value_loss_coeff_0_trains_the_policy_as_the_policy_loss_alone(shared):
+    """An epoch of --joint minibatch steps at --value-loss-coeff 0 gives the
+    policy bitwise the parameters the policy loss alone gives (the policy
+    trainer of the separate networks, on the same advantages), and leaves
+    the value network (with a shared torso, the value head) untouched."""
+    small = dict(n_envs=4, n_interactions_per_epoch=64, train_steps_per_epoch=8, batch_size=16,
+                 hidden_sizes=(8,))
+    joint = ac.Config(**small, joint=True, shared_torso=shared, value_loss_coeff=0.0)
+    alone = ac.Config(**small)
+    agent_j, agent_a = ac.make_agent(joint), ac.make_agent(alone)
+    hp_j, hp_a = single_hp(joint), single_hp(alone)
+    state, _ = agent_j.collect(hp_j, agent_j.init(jax.random.PRNGKey(0), hp_j))
+    value_view = ac.value_network(agent_j.spec, state.params, state.value_params)
+    state_a = agent_a.init(jax.random.PRNGKey(0), hp_a)._replace(
+        params=state.params, value_params=value_view, replay=state.replay, key=state.key)
+    key = jax.random.PRNGKey(5)
+    new_j, _ = jax.jit(functools.partial(ac.policy_chunks, agent_j.spec))(hp_j, state, key)
+    new_a, _ = jax.jit(functools.partial(ac.policy_chunks, agent_a.spec))(hp_a, state_a, key)
+    chex_leaves = lambda tree: [np.asarray(x) for x in jax.tree.leaves(tree)]
+    for got, want in zip(chex_leaves(new_j.params), chex_leaves(new_a.params)):
+        np.testing.assert_array_equal(got, want)
+    for got, want in zip(chex_leaves(new_j.value_params), chex_leaves(state.value_params)):
+        np.testing.assert_array_equal(got, want)
+    assert int(new_j.train_step) == 8

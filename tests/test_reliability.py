@@ -51,6 +51,14 @@ SIZES['actor_critic-gru'] = [
     '--n-interactions-per-epoch', '64', '--train-steps-per-epoch', '256', '--batch-size', '32',
     '--value-train-steps-per-epoch', '256', '--value-batch-size', '32', '--hidden-sizes', '16',
     '--n-eval-episodes', '2', '--eval-steps', '40', '--checkpoint-every', '1']
+# --joint: one optimiser over both networks, no value trainer state; separate
+# torsos (PPO, as PureJaxRL), and one shared torso with its GRU (A2C).
+JOINT = ['--n-envs', '4', '--n-interactions-per-epoch', '64', '--train-steps-per-epoch', '256',
+         '--batch-size', '32', '--hidden-sizes', '16', '--n-eval-episodes', '2',
+         '--eval-steps', '40', '--checkpoint-every', '1', '--joint']
+SIZES['actor_critic-joint'] = JOINT
+SIZES['actor_critic-shared'] = [*JOINT, '--shared-torso', '--policy-loss', 'a2c', '--torso',
+                                'gru', '--gru-size', '8', '--max-slice-length', '8']
 IGNORED = ('timing/', 'rl/n_interactions_per_second')
 
 
@@ -117,7 +125,8 @@ def reference_runs(tmp_path_factory, cache_dir):
 # ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize('algo', [*ALGOS, 'actor_critic', 'actor_critic-gru'])
+@pytest.mark.parametrize('algo', [*ALGOS, 'actor_critic', 'actor_critic-gru',
+                                  'actor_critic-joint', 'actor_critic-shared'])
 def test_kill_9_then_resume_is_bitwise_identical(algo, reference_runs, cache_dir, tmp_path):
     out = str(tmp_path / 'run')
     command = [sys.executable, os.path.join(ROOT, f'{script(algo)}.py'), '--quiet', '--compile-cache',
