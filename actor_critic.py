@@ -889,6 +889,20 @@ def make_agent(config: Config) -> common.Agent:
     steps = max_steps if fresh else config.n_interactions_per_epoch // config.n_envs
     check_slices(config, policy, steps)
     epochs = config.lr_decay_epochs or config.epochs
+    env_steps = common.env_steps_factors(config, n_envs, steps, max_steps)
+    common.check_int32_products([  # the counters and the replay's row index
+        ('policy gradient steps', [('--epochs', config.epochs),
+                                   ('--train-steps-per-epoch', config.train_steps_per_epoch)]),
+        ('value gradient steps', [('--epochs', config.epochs),
+                                  ('--value-train-steps-per-epoch',
+                                   config.value_train_steps_per_epoch)]),
+        ('env steps', [('--epochs', config.epochs), *env_steps]),
+        ("the learning-rate schedule's steps",
+         [('--lr-decay-epochs', epochs), ('--train-steps-per-epoch', config.train_steps_per_epoch)]),
+        ("the value learning-rate schedule's steps",
+         [('--lr-decay-epochs', epochs),
+          ('--value-train-steps-per-epoch', config.value_train_steps_per_epoch)]),
+        ('replay steps', [('--n-replay-epochs', config.n_replay_epochs), *env_steps])])
     spec = Spec(
         config=config, policy=policy,
         eval_tags=tuple((t, h) for t in config.eval_temperatures

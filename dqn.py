@@ -614,6 +614,15 @@ def make_agent(config: Config) -> common.Agent:
         n_envs = config.n_envs
         steps = config.n_interactions_per_epoch // config.n_envs
     check_block_length(n_step, steps)
+    env_steps = common.env_steps_factors(config, n_envs, steps, max_steps)
+    common.check_int32_products([  # the counters and the replay's row index
+        ('gradient steps', [('--epochs', config.epochs),
+                            ('--train-steps-per-epoch', config.train_steps_per_epoch)]),
+        ('env steps', [('--epochs', config.epochs), *env_steps]),
+        ("the learning-rate schedule's steps",
+         [('--lr-decay-epochs', config.lr_decay_epochs or config.epochs),
+          ('--train-steps-per-epoch', config.train_steps_per_epoch)]),
+        ('replay rows', [('--n-replay-epochs', config.n_replay_epochs), *env_steps])])
     spec = Spec(
         config=config, env=env, env_params=env_params, obs_shape=obs_shape,
         obs_dtype=storage_dtype(config, env, env_params), n_actions=env.action_space(env_params).n,

@@ -80,6 +80,7 @@ HARMLESS_FIELDS = {'epochs', 'checkpoint_every', 'eval_every'}
 CHUNK_SECONDS = 3.0  # the wall time aimed at per compiled call (a chunk of epochs)
 CHUNK_EPOCHS = 256  # at most this many epochs per chunk: its metric buffers' length
 CHECKPOINT_SECONDS = 60.0  # between checkpoints, unless --checkpoint-every is given
+SAVE_JOIN_SECONDS = 10.0  # a stopping run waits at most this for a save in flight
 
 
 def _fail(prog, message, status=2, local=False):
@@ -254,12 +255,22 @@ def _main(config_cls, make_agent, check_hyperparameters, prog, description, argv
     parser = flags.build_parser(config_cls, prog, description, env_settings)
     args = parser.parse_args(argv)
     args.given = flags.given_flags(parser, argv)
+    try:
+        common.check_precision()  # JAX_ENABLE_X64: before any value is checked or traced
+    except common.UsageError as error:
+        parser.error(str(error))
     applied = flags.apply_env_settings(config_cls, args, env_settings, settings_mode_field)
     try:
         saved = flags.saved_run_config(args.output_dir)
+        unsaved = None if saved is not None else flags.unsaved_run_config(args.output_dir)
         args.sees_saved_run = saved is not None  # processes must agree (check_same_flags)
         if saved is not None:  # resume: what the command line leaves out is the saved run's
             flags.take_saved_config(config_cls, args, saved)
+        elif unsaved is not None and flags.take_saved_config(config_cls, args, unsaved):
+            # a run killed before its first checkpoint: rerun with its flags
+            if not args.quiet and not args.only_eval:
+                say(f'{prog}: {args.output_dir} holds a run that stopped before its first '
+                    'checkpoint: running it again from epoch 1 with its flags (config.json)')
         elif applied and not args.quiet:
             say(f'{prog}: settings for {args.env}: {flags.settings_flags(applied)}'
                 ' (a flag on the command line overrides each)')
@@ -396,6 +407,7 @@ class _Run:
 def _set_up(make_agent, config, grid, args, prog):
     """Check the flags and the output dir before compiling; write nothing."""
     wall_start = time.time()
+    common.check_precision()
     flags.enable_compile_cache(getattr(args, 'compile_cache', None),
                                explicit='compile_cache' in getattr(args, 'given', ()))
     flags.check_run_flags(args)
@@ -509,6 +521,13 @@ def _refuse_overwriting(run):
         return  # none (or unreadable): nothing recorded to protect
     differing = config_differences(recorded, run.run_config) if isinstance(recorded, dict) \
         else ['config.json']
+    if differing and not os.path.exists(os.path.join(run.output_dir, 'checkpoint.prev.npz')) \
+            and isinstance(recorded, dict) and recorded.get('algorithm') == run.agent.name:
+        raise common.UsageError(
+            f'{run.output_dir} holds a run that stopped before its first checkpoint, with '
+            f'other flags (config.json differs: {", ".join(differing[:5])}); rerun it with '
+            f'--output-dir {run.output_dir} and no flag that changes them (it starts again '
+            'from epoch 1 with its own), or start a new --output-dir')
     if differing:
         raise common.UsageError(
             f'{run.output_dir} holds the files of another run (config.json differs: '
@@ -691,8 +710,9 @@ def _epoch_loop(run, phases, state, args, prog):
         while epoch < config.epochs:
             n = _chunk_size(run, phases['length'], progress, epoch, args)
             state, epochs, finite = _run_chunk(run, phases, state, epoch, n)
-            _nan_guard(epochs, finite, saver, run.output_dir, prog)
+            _nan_guard(run, epochs, finite, saver, summaries, prog)
             _record(run, epochs, summaries)
+            saver.check()  # a save that failed meanwhile stops the run now, not at the next
             epoch, last = epochs[-1]
             progress.update(epoch, epochs)
             lost = _show(progress.line(epoch, last), args)
@@ -714,10 +734,12 @@ def _epoch_loop(run, phases, state, args, prog):
     return last
 
 
-def _record(run, epochs, summaries):
-    """A chunk's metric records into the history, metrics.jsonl and TensorBoard."""
+def _record(run, epochs, summaries, until=None):
+    """A chunk's metric records into the history, metrics.jsonl and TensorBoard;
+    with `until` ([n_runs] epochs), each run's records of epochs before its own."""
     records = [record for number, metrics in epochs
-               for record in rundir.metric_records(number, metrics, run.runs)]
+               for record in rundir.metric_records(number, metrics, run.runs)
+               if until is None or number < until[record['run']]]
     run.history.extend(records)
     # Metrics first, then the checkpoint: a crash between the two leaves
     # lines of epochs the resumed run recomputes identically.
@@ -751,17 +773,49 @@ def _stop_after(run, epoch, lost, prog):
     _signals.pending = None
 
 
-def _nan_guard(epochs, finite, saver, output_dir, prog):
-    """Stop at the first epoch of the chunk with a non-finite loss or parameter."""
+def _nan_guard(run, epochs, finite, saver, summaries, prog):
+    """Stop at the first epoch of the chunk with a non-finite loss or parameter
+    in any run, after writing every run's finite epochs (the lead-up to the
+    divergence, and the healthy runs' epochs); the message names the runs
+    that diverged (seed and grid values) and says what became of the others."""
+    n_runs = len(run.runs)
+    first_bad = np.full(n_runs, np.iinfo(np.int64).max)  # per run: its first bad epoch
+    bad_names = {}
     for (epoch, metrics), params_finite in zip(epochs, finite):
-        bad = [name for name, values in metrics.items()
-               if name.startswith('metrics/') and not np.all(np.isfinite(values))]
-        if bad or not np.all(params_finite):
-            saver.wait()
-            what = ', '.join(bad) if bad else 'network parameters'
-            kept = (f'the checkpoint of epoch {saver.saved_epoch} in {output_dir} is kept'
-                    if saver.saved_epoch else f'no checkpoint was saved in {output_dir}')
-            _fail(prog, f'non-finite {what} in epoch {epoch}; stopped, {kept}', status=1)
+        for index in range(n_runs):
+            if first_bad[index] < epoch:
+                continue
+            names = [name for name, values in metrics.items()
+                     if name.startswith('metrics/') and not np.isfinite(values[index])]
+            if names or not params_finite[index]:
+                first_bad[index] = epoch
+                bad_names[index] = names or ['network parameters']
+    if not bad_names:
+        return
+    _record(run, epochs, summaries, until=first_bad)  # the finite epochs, before stopping
+    saver.wait()
+    epoch = int(first_bad.min())
+    diverged = [index for index in range(n_runs) if first_bad[index] == epoch]
+    what = ', '.join(dict.fromkeys(name for index in diverged for name in bad_names[index]))
+    kept = (f'the checkpoint of epoch {saver.saved_epoch} in {run.output_dir} is kept'
+            if saver.saved_epoch else f'no checkpoint was saved in {run.output_dir}')
+    if n_runs == 1:
+        _fail(prog, f'non-finite {what} in epoch {epoch}; stopped, {kept}; the epochs before '
+                    f'it are in {run.metrics_path}', status=1)
+    names = rundir.run_names(run.runs, run.run_config.get('grid') or {})
+    said = ' '.join(names[index] for index in diverged[:4]) + (
+        f' and {len(diverged) - 4} more' if len(diverged) > 4 else '')
+    healthy = int(np.sum(first_bad == np.iinfo(np.int64).max))
+    last = epochs[-1][0]
+    others = (f'the other {healthy} run(s), finite through epoch {last}, stop with '
+              f'{"it" if len(diverged) == 1 else "them"} (one program runs them all)'
+              if healthy else 'no run stayed finite')
+    _fail(prog, f'non-finite {what} in epoch {epoch} of {len(diverged)} of {n_runs} runs '
+                f'({said}); {others}; every run\'s finite epochs are in {run.metrics_path}; '
+                f'{kept} (a resume meets the same divergence: to go on without '
+                f'{"that run" if len(diverged) == 1 else "those runs"}, start a new '
+                f'--output-dir without {"its" if len(diverged) == 1 else "their"} seed or grid '
+                'value)', status=1)
 
 
 class _Saver:
@@ -784,7 +838,8 @@ class _Saver:
         self.wait()
         self.saved_at = time.time()
         if devices.is_writer():
-            self.thread = threading.Thread(target=self._write, args=(whole_state, epoch))
+            self.thread = threading.Thread(target=self._write, args=(whole_state, epoch),
+                                           daemon=True)  # exit never waits on a hung disk
             self.thread.start()
 
     def _write(self, whole_state, epoch):
@@ -796,6 +851,11 @@ class _Saver:
             self.saved_epoch = epoch
         except BaseException as error:  # noqa: B902 (re-raised in the driver)
             self.error = error
+
+    def check(self):
+        """Raise the error of a save that has ended in one (without waiting)."""
+        if self.thread is not None and not self.thread.is_alive():
+            self.wait()
 
     def wait(self):
         """Block until the save in flight is on disk; raise its error, if any."""
@@ -813,7 +873,8 @@ class _Saver:
         if exc[0] is None:
             self.wait()
         elif self.thread is not None:  # let the file be whole; the first error wins
-            self.thread.join()
+            self.thread.join(SAVE_JOIN_SECONDS)  # (a rename in flight lands, or the temp
+            # file is left to the next run's sweep: the checkpoint stays whole either way)
         return False
 
 
@@ -863,7 +924,7 @@ def _finish(run, args):
                        json.dumps(summary, indent=2).encode())
     if args.plot:
         rundir.plot_learning_curves(run.history, run.agent, run.config.env,
-                             os.path.join(run.output_dir, 'learning_curve.png'))
+                                    os.path.join(run.output_dir, rundir.PLOT_FILE))
     if not args.quiet:
         finals = summary['final_eval_return']
         say(f'done: {len(run.runs)} run(s), final greedy return {_mean_min(finals)}, '

@@ -7,6 +7,7 @@ import argparse
 import copy
 import dataclasses
 import decimal
+import json
 import os
 import sys
 import typing
@@ -303,6 +304,22 @@ def saved_run_config(output_dir):
     return None
 
 
+def unsaved_run_config(output_dir):
+    """The config.json of a run in output_dir that stopped before its first
+    checkpoint (killed in its first minute): rerunning it with --output-dir
+    alone starts it again with its flags. None where there is a checkpoint, a
+    summary, or no readable config.json."""
+    if not output_dir or any(os.path.exists(os.path.join(output_dir, name)) for name in (
+            'checkpoint.npz', 'checkpoint.prev.npz', 'summary.json')):
+        return None
+    try:
+        with open(os.path.join(output_dir, 'config.json')) as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return config if isinstance(config, dict) else None
+
+
 def take_saved_config(config_cls, args, saved):
     """Resume: every config field and run flag not given on the command line
     (args.given) takes the saved run's value, its grid included.
@@ -312,7 +329,7 @@ def take_saved_config(config_cls, args, saved):
     """
     fields = {field.name: field for field in dataclasses.fields(config_cls)}
     if set(saved) - {'algorithm', 'grid', *RUN_FIELDS} != set(fields):
-        return
+        return False
     hints = typing.get_type_hints(config_cls)
     grid = saved.get('grid') or {}
     for name in [*fields, *RUN_FIELDS]:
@@ -326,6 +343,7 @@ def take_saved_config(config_cls, args, saved):
     if ('lr_decay_epochs' not in args.given and not args.only_eval and horizon is not None
             and 'linear_decay' in str(args.lr_schedule) and args.epochs > horizon):
         raise common.UsageError(pinned_schedule_message(args.output_dir, horizon))
+    return True
 
 
 def pinned_schedule_message(output_dir, horizon):

@@ -10,6 +10,7 @@ import io
 import json
 import math
 import os
+import re
 import sys
 import tempfile
 import time
@@ -28,6 +29,20 @@ def _leaf_paths(tree):
 
 TEMP_MARK = '.tmp-'  # a temp file is <name>.tmp-<pid> until its rename
 
+# The files a run writes through a temp file (atomic_write_bytes, the plot):
+# the sweep of dead writers' temp files removes these names and no others, so
+# a user's own `notes.tmp-old` or `data.csv.tmp-backup` in the directory stays.
+ATOMIC_FILES = ('checkpoint.npz', 'config.json', 'metrics.jsonl', 'summary.json')
+PLOT_FILE = 'learning_curve.png'
+_OWN_TEMP = re.compile('(?:' + '|'.join(map(re.escape, ATOMIC_FILES)) + ')'
+                       + re.escape(TEMP_MARK) + r'[0-9]+'
+                       + '|' + re.escape(PLOT_FILE + TEMP_MARK) + r'[0-9]+\.png')
+
+
+def is_own_temp_file(name):
+    """Is `name` a temp file this program makes (`<its file>.tmp-<pid>`)?"""
+    return _OWN_TEMP.fullmatch(name) is not None
+
 
 def _remove_quietly(path):
     try:
@@ -45,9 +60,15 @@ def _naming(error, path):
 
 def remove_temp_files(output_dir):
     """Temp files of writers that died before their rename (kill -9): called
-    under the run lock, so no live writer owns them."""
-    for path in glob.glob(os.path.join(glob.escape(output_dir), '*' + TEMP_MARK + '*')):
-        _remove_quietly(path)
+    under the run lock, so no live writer owns them. Only the names this
+    program makes: the user's other files are theirs."""
+    try:
+        names = os.listdir(output_dir)
+    except OSError:
+        return
+    for name in names:
+        if is_own_temp_file(name):
+            _remove_quietly(os.path.join(output_dir, name))
 
 
 def atomic_write_bytes(path, data, previous=None):
@@ -222,14 +243,17 @@ def config_markdown(config):
     return '\n'.join(['| field | value |', '|---|---|', *rows])
 
 
-QUEUE = 1024  # events a writer's queue holds before add_summary waits for its thread
-
-
 class Summaries:
-    """TensorBoard event files (tensorboardX, no TensorFlow), one directory per
-    run under <output_dir>/tb/: each metric of metrics.jsonl under its Trax tag
-    at step = epoch, and the run's config as a text summary (Trax wrote its
-    operative gin config as text).
+    """TensorBoard event files (tensorboardX's format, no TensorFlow), one
+    directory per run under <output_dir>/tb/: each metric of metrics.jsonl
+    under its Trax tag at step = epoch, and the run's config as a text summary
+    (Trax wrote its operative gin config as text).
+
+    Written in the caller's thread, flushed once a chunk: an OS error (a full
+    disk, EIO) is raised right there, naming the event file, and the driver
+    stops in one line. (tensorboardX's FileWriter writes from a thread of its
+    own, which dies on such an error with a traceback; the run then blocked
+    for ever on its full queue, or at exit joining it.)
 
     Opening rewrites each run's events from `history` (metrics.jsonl cut at the
     checkpoint) into a new file and only then deletes the old ones, so after a
@@ -237,47 +261,83 @@ class Summaries:
     """
 
     def __init__(self, output_dir, runs, run_config, history, enabled=True):
-        self.writers, self.runs = [], runs
+        self.files, self.runs = [], runs
         if not enabled:
             return
-        from tensorboardX import FileWriter, summary
+        from tensorboardX import summary
+        from tensorboardX.event_file_writer import EventsWriter
         grid = run_config.get('grid') or {}
-        for index, (run, name) in enumerate(zip(runs, run_names(runs, grid))):
-            directory = os.path.join(output_dir, 'tb', name)
-            old = glob.glob(os.path.join(directory, 'events.out.tfevents.*'))
-            writer = FileWriter(directory, max_queue=QUEUE, flush_secs=10,  # a name no other
-                                filename_suffix=f'.{os.getpid()}.{time.time_ns()}')  # writer had
-            writer.add_summary(summary.text('config', config_markdown({**run_config, **run})), 0)
-            self.writers.append(writer)
-            self.write([r for r in history if r['run'] == index], flush=False)
-            writer.flush()
-            for path in old:
-                os.remove(path)
+        try:
+            for index, (run, name) in enumerate(zip(runs, run_names(runs, grid))):
+                directory = os.path.join(output_dir, 'tb', name)
+                old = glob.glob(os.path.join(glob.escape(directory), 'events.out.tfevents.*'))
+                try:
+                    os.makedirs(directory, exist_ok=True)
+                    events = EventsWriter(os.path.join(directory, 'events'),  # a name no other
+                                          f'.{os.getpid()}.{time.time_ns()}')  # writer had
+                except OSError as error:
+                    raise _naming(error, directory)
+                self.files.append(events)
+                self._add(index, summary.text('config', config_markdown({**run_config, **run})),
+                          0)
+                self.write([r for r in history if r['run'] == index], flush=False)
+                self._flush(events)
+                for path in old:
+                    os.remove(path)
+        except BaseException:
+            self.close(quietly=True)
+            raise
+
+    def _add(self, index, summary, step):
+        from tensorboardX.proto import event_pb2
+        events = self.files[index]
+        try:
+            events.write_event(event_pb2.Event(summary=summary, step=int(step),
+                                               wall_time=time.time()))
+        except OSError as error:
+            raise _naming(error, events._file_name)
+
+    @staticmethod
+    def _flush(events):
+        try:
+            events.flush()
+        except OSError as error:
+            raise _naming(error, events._file_name)
 
     def write(self, records, flush=True):
         """Scalars of metric records (metric_records' dicts); None (non-finite) is left out."""
-        if not self.writers:
+        if not self.files:
             return
         from tensorboardX.proto.summary_pb2 import Summary
         for record in records:  # one event a record: a scalar event each cost ~150 us
             identity = {'epoch', 'run', *self.runs[record['run']]}
             values = [Summary.Value(tag=tag, simple_value=value) for tag, value in record.items()
                       if tag not in identity and value is not None]
-            self.writers[record['run']].add_summary(Summary(value=values), record['epoch'])
+            self._add(record['run'], Summary(value=values), record['epoch'])
         if flush:
-            for writer in self.writers:
-                writer.flush()
+            for events in self.files:
+                self._flush(events)
+
+    def close(self, quietly=False):
+        """Close every file (each closes even if another fails); the first
+        error is raised, naming its file, unless `quietly`."""
+        files, self.files = self.files, []
+        first = None
+        for events in files:
+            try:
+                events.close()
+            except OSError as error:
+                first = first or _naming(error, events._file_name)
+                with contextlib.suppress(Exception):  # its flush failed: close the file itself
+                    events._py_recordio_writer.close()
+        if first is not None and not quietly:
+            raise first
 
     def __enter__(self):
         return self
 
     def __exit__(self, *exc):
-        for writer in self.writers:
-            try:
-                writer.close()
-            except OSError:
-                if exc[0] is None:
-                    raise
+        self.close(quietly=exc[0] is not None)  # the first error wins
         return False
 
 

@@ -266,6 +266,66 @@ def test_references_agree_with_each_other():
 
 
 # ---------------------------------------------------------------------------
+# 1b. The associative_scan form of td_lambda and gae (chosen on GPU/TPU).
+# ---------------------------------------------------------------------------
+
+LAMBDA_ESTIMATORS = {'td_lambda': ref_td_lambda, 'gae': ref_gae}
+
+
+def test_reverse_affine_scan_by_hand():
+    # x_t = a_t x_{t+1} + b_t from the end. Row 0: 4; .5 * 4 + 1 = 3; 2 * 3 - 1 = 5.
+    # Row 1: a 0 cuts the future (an episode's end): 2; 3 * 2 + 1 = 7; 0 * 7 + 7 = 7.
+    a = np.array([[2.0, 0.5, 0.0], [0.0, 3.0, 0.0]], np.float32)
+    b = np.array([[-1.0, 1.0, 4.0], [7.0, 1.0, 2.0]], np.float32)
+    np.testing.assert_array_equal(np.asarray(common.reverse_affine_scan(a, b)),
+                                  [[5, 3, 4], [7, 7, 2]])
+
+
+@pytest.mark.parametrize('gamma,lambda_,margin', [(0.99, 0.95, 0), (0.9, 0.0, 1), (1.0, 1.0, 3)])
+@pytest.mark.parametrize('name', LAMBDA_ESTIMATORS)
+def test_associative_scan_matches_reference_and_sequential(name, gamma, lambda_, margin):
+    inputs = random_inputs(800 + margin, batch=16, length=33)  # dones and discount masks
+    make = functools.partial(getattr(common, name), gamma, margin, lambda_)
+    got = np.asarray(jax.jit(make(scan='associative'))(*inputs))
+    assert got.shape == (16, 33 - margin)
+    np.testing.assert_allclose(got, LAMBDA_ESTIMATORS[name](gamma, margin, lambda_, *inputs),
+                               rtol=RTOL, atol=ATOL)
+    np.testing.assert_allclose(got, np.asarray(jax.jit(make(scan='sequential'))(*inputs)),
+                               rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize('name', LAMBDA_ESTIMATORS)
+def test_associative_scan_batched_as_the_callers_do(name):
+    """As actor_critic's whole_row_advantages and dqn's slice_targets call them:
+    one [1, T + 1] row per env, vmapped over envs, inside a vmap over runs with
+    traced gamma and lambda (truncations reach the estimators as a done plus a
+    bootstrap in the reward, and steps past the row as discount_mask 0)."""
+    inputs = random_inputs(900, batch=1, length=129, lead=(64,))
+
+    def advantages(scan):
+        def per_run(gamma, lambda_):
+            return jax.vmap(getattr(common, name)(gamma, 0, lambda_, scan=scan))(*inputs)
+        return np.asarray(jax.jit(jax.vmap(per_run))(SWEEP_GAMMAS, SWEEP_LAMBDAS))
+
+    got = advantages('associative')
+    assert got.shape == (len(SWEEP_GAMMAS), 64, 1, 129)
+    np.testing.assert_allclose(got, advantages('sequential'), rtol=RTOL, atol=ATOL)
+
+
+def test_scan_auto_keeps_the_sequential_form_on_cpu(monkeypatch):
+    inputs = random_inputs(5)
+    for make in (common.td_lambda, common.gae):
+        assert_trees_bitwise_equal(jax.jit(make(0.9, 1, 0.8))(*inputs),
+                                   jax.jit(make(0.9, 1, 0.8, scan='sequential'))(*inputs))
+    want = 'sequential' if jax.default_backend() == 'cpu' else 'associative'
+    assert common.resolve_scan('auto') == want
+    monkeypatch.setattr(jax, 'default_backend', lambda: 'gpu')
+    assert common.resolve_scan('auto') == 'associative'
+    with pytest.raises(ValueError, match='scan must be one of'):
+        common.gae(0.9, 0, scan='parallel')
+
+
+# ---------------------------------------------------------------------------
 # 2. Values computed by Trax 1.4.1 and the further checks of docs/trax.md section 4.
 # ---------------------------------------------------------------------------
 
@@ -291,7 +351,9 @@ def test_trax_1_4_1_values(row, dones_dtype):
     for estimator, want in [(common.monte_carlo(gamma, margin), mc),
                             (common.td_k(gamma, margin), tdk),
                             (common.td_lambda(gamma, margin, 0.95), tdl),
-                            (common.gae(gamma, margin, 0.95), tdl)]:
+                            (common.gae(gamma, margin, 0.95), tdl),
+                            (common.td_lambda(gamma, margin, 0.95, scan='associative'), tdl),
+                            (common.gae(gamma, margin, 0.95, scan='associative'), tdl)]:
         got = np.asarray(estimator(*args))
         assert got.shape == (1, 3 - margin)
         np.testing.assert_allclose(got, [want], rtol=1e-5, atol=1e-6)
@@ -306,8 +368,9 @@ def test_spec_extra_examples_no_dones():
     args = (rewards, returns, values, dones, mask)
     np.testing.assert_allclose(np.asarray(common.td_k(0.9, 2)(*args)), [[17.1, 17.1]],
                                rtol=1e-5)
-    np.testing.assert_allclose(np.asarray(common.gae(0.9, 0)(*args)),
-                               [[23.2742, 16.695, 9, 0]], rtol=1e-5, atol=1e-6)
+    for scan in ('sequential', 'associative'):
+        np.testing.assert_allclose(np.asarray(common.gae(0.9, 0, scan=scan)(*args)),
+                                   [[23.2742, 16.695, 9, 0]], rtol=1e-5, atol=1e-6)
 
 
 def test_spec_gamma_zero_discount_mask_example():
@@ -321,7 +384,8 @@ def test_spec_gamma_zero_discount_mask_example():
     np.testing.assert_allclose(np.asarray(returns), [[1, 5, 3, 4]], rtol=1e-6)
     args = (rewards, np.asarray(returns), values, dones, mask)
     for estimator in (common.monte_carlo(0.0, 1), common.td_lambda(0.0, 1),
-                      common.gae(0.0, 1)):
+                      common.gae(0.0, 1), common.td_lambda(0.0, 1, scan='associative'),
+                      common.gae(0.0, 1, scan='associative')):
         np.testing.assert_allclose(np.asarray(estimator(*args)), [[-4, -1, -4]],
                                    rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(np.asarray(common.td_k(0.0, 1)(*args)), [[-4, 3, -4]],
@@ -340,6 +404,10 @@ ESTIMATOR_CASES = [  # name, estimator, its loop reference, margin
      functools.partial(ref_td_lambda, 0.9, 1, 0.8), 1),
     ('gae_m0', lambda: common.gae(1.0, 0, 0.8), functools.partial(ref_gae, 1.0, 0, 0.8), 0),
     ('gae_m3', lambda: common.gae(0.99, 3, 0.95), functools.partial(ref_gae, 0.99, 3, 0.95), 3),
+    ('td_lambda_associative', lambda: common.td_lambda(0.9, 1, 0.8, scan='associative'),
+     functools.partial(ref_td_lambda, 0.9, 1, 0.8), 1),
+    ('gae_associative', lambda: common.gae(0.99, 3, 0.95, scan='associative'),
+     functools.partial(ref_gae, 0.99, 3, 0.95), 3),
 ]
 ESTIMATOR_ARGS = ('rewards', 'returns', 'values', 'dones', 'discount_mask')
 

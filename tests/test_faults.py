@@ -9,12 +9,14 @@ overwritten with less and no temp file is left behind.
 """
 
 import contextlib
+import errno
 import json
 import os
 import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 import types
 import warnings
@@ -468,3 +470,312 @@ def test_a_plot_with_nothing_to_show_says_so_without_warnings(tmp_path):
         warnings.simplefilter('error')
         rundir.plot_learning_curves(history, agent, 'CartPole-v1', path)
     assert os.path.getsize(path) > 0 and temp_files(str(tmp_path)) == []
+
+
+# ---------------------------------------------------------------------------
+# 8. Background writers (issue 37, class 1): TensorBoard, metrics, checkpoints
+# ---------------------------------------------------------------------------
+
+
+def failing_fsync(monkeypatch, needle, code, after):
+    """os.fsync raising OSError(code) for files whose path holds `needle`,
+    once `after` such calls have succeeded: a disk that fills, or one EIO,
+    under whichever writer writes that file (tensorboardX's writer, the
+    metrics and the checkpoint thread all fsync what they write)."""
+    real, calls = os.fsync, []
+
+    def fsync(fd):
+        try:
+            path = os.readlink(f'/proc/self/fd/{fd}')
+        except OSError:
+            path = ''
+        if needle in path:
+            calls.append(path)
+            if len(calls) > after:
+                raise OSError(code, os.strerror(code))
+        return real(fd)
+    monkeypatch.setattr(os, 'fsync', fsync)
+    return calls
+
+
+WRITERS = {  # writer: (path needle, errno, good fsyncs before the failure, named in the line)
+    # the event files' flush at opening and after epoch 1; epoch 2's fails
+    'tensorboard': ('/tb/', errno.ENOSPC, 2, 'events.out.tfevents'),
+    # metrics.jsonl's rewrite at the start and epoch 1's lines; epoch 2's fail
+    'metrics': ('metrics.jsonl', errno.EIO, 2, 'metrics.jsonl'),
+    # epoch 1's checkpoint; epoch 2's fails in the checkpoint thread
+    'checkpoint': ('checkpoint.npz', errno.EIO, 1, 'checkpoint.npz'),
+}
+
+
+@pytest.mark.parametrize('writer', WRITERS)
+def test_a_failing_writer_ends_the_run_in_one_line_naming_its_file(writer, finished_run,
+                                                                   cache_dir, tmp_path, capsys,
+                                                                   monkeypatch):
+    needle, code, after, named = WRITERS[writer]
+    out = str(tmp_path / 'run')
+    threads = set(threading.enumerate())
+    with monkeypatch.context() as patch:
+        failing_fsync(patch, needle, code, after)
+        status, err = run_main(dqn.main, ['--epochs', '3', '--output-dir', out, '--tensorboard'],
+                               cache_dir, capsys)
+    assert status == 1
+    line = one_line(err, named, f'({errno.errorcode[code]})', 'checkpoint of epoch 1',
+                    'rerun with --output-dir')  # no 'Exception in thread' lines around it
+    assert repr(out) in line or out in line
+    assert set(threading.enumerate()) <= threads  # no writer thread left behind
+    assert temp_files(out) == []
+    assert rundir.read_checkpoint_metadata(os.path.join(out, 'checkpoint.npz'))['epoch'] == 1
+    # The disk is back: the same command resumes, bitwise.
+    status, err = run_main(dqn.main, ['--epochs', '3', '--output-dir', out, '--tensorboard'],
+                           cache_dir, capsys)
+    assert status == 0, err
+    assert metrics(out) == metrics(finished_run)
+
+
+def test_tensorboard_events_are_written_in_the_callers_thread(tmp_path):
+    """No writer thread: nothing can die out of sight, fill a queue and block
+    the run, or be joined at exit."""
+    threads = set(threading.enumerate())
+    record = {'epoch': 1, 'run': 0, 'seed': 0, 'rl/avg_return': 1.0}
+    with rundir.Summaries(str(tmp_path), [{'seed': 0}], {'grid': {}}, []) as summaries:
+        summaries.write([record])
+        assert set(threading.enumerate()) == threads
+    [name] = os.listdir(tmp_path / 'tb' / 'seed=0')
+    assert name.startswith('events.out.tfevents.')
+
+
+def test_a_tensorboard_write_error_names_the_event_file(tmp_path, monkeypatch):
+    from tensorboardX import record_writer
+    with rundir.Summaries(str(tmp_path), [{'seed': 0}], {'grid': {}}, []) as summaries:
+        def write(self, data):
+            raise OSError(errno.ENOSPC, 'No space left on device')
+        monkeypatch.setattr(record_writer.RecordWriter, 'write', write)
+        with pytest.raises(OSError) as error:
+            summaries.write([{'epoch': 1, 'run': 0, 'seed': 0, 'rl/avg_return': 1.0}])
+    assert error.value.errno == errno.ENOSPC
+    assert os.path.basename(error.value.filename).startswith('events.out.tfevents.')
+
+
+# ---------------------------------------------------------------------------
+# 9. The user's files (issue 37, class 2)
+# ---------------------------------------------------------------------------
+
+
+def test_the_temp_file_sweep_removes_only_the_programs_own_names(finished_run, cache_dir,
+                                                                  tmp_path, capsys):
+    mine = {'notes.tmp-old': b'notes', 'data.csv.tmp-backup': b'a,b\n',
+            'checkpoint.npz.tmp-backup': b'kept', 'my.tmp-123': b'mine too'}
+    dead = ['checkpoint.npz.tmp-99999', 'metrics.jsonl.tmp-4242',
+            'learning_curve.png.tmp-77.png']
+    for directory in (str(tmp_path / 'new'), str(tmp_path / 'resumed')):
+        if directory.endswith('resumed'):
+            shutil.copytree(finished_run, directory)
+        os.makedirs(directory, exist_ok=True)
+        for name, data in mine.items():
+            open(os.path.join(directory, name), 'wb').write(data)
+        for name in dead:
+            open(os.path.join(directory, name), 'wb').write(b'partial')
+        status, err = run_main(dqn.main, ['--epochs', '3', '--output-dir', directory],
+                               cache_dir, capsys)
+        assert status == 0, err
+        for name, data in mine.items():
+            assert open(os.path.join(directory, name), 'rb').read() == data, name
+        assert not any(os.path.exists(os.path.join(directory, name)) for name in dead)
+
+
+def test_own_temp_names():
+    own = ['checkpoint.npz.tmp-1', 'config.json.tmp-99', 'metrics.jsonl.tmp-7',
+           'summary.json.tmp-12', 'learning_curve.png.tmp-5.png']
+    others = ['notes.tmp-old', 'data.csv.tmp-backup', 'checkpoint.npz.tmp-', 'x.npz.tmp-1',
+              'checkpoint.npz.tmp-1.bak', 'learning_curve.png.tmp-5', 'summary.json']
+    assert [rundir.is_own_temp_file(name) for name in own] == [True] * len(own)
+    assert [rundir.is_own_temp_file(name) for name in others] == [False] * len(others)
+
+
+# ---------------------------------------------------------------------------
+# 10. The environment (issue 37, class 3): JAX_ENABLE_X64
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize('name', ['dqn', 'pg', 'actor_critic'])
+def test_jax_enable_x64_is_refused_in_one_line(name, tmp_path):
+    out = str(tmp_path / 'run')
+    result = subprocess.run([sys.executable, os.path.join(ROOT, f'{name}.py'), '--epochs', '2',
+                             '--output-dir', out, '--compile-cache', 'none'], cwd=ROOT,
+                            env=dict(os.environ, JAX_ENABLE_X64='1'), capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 2
+    one_line(result.stderr.strip().splitlines(), 'JAX_ENABLE_X64=1 is set', 'float32 and int32')
+    assert not os.path.exists(out)
+
+
+def test_x64_is_refused_by_the_library_too(monkeypatch):
+    import jax
+    import common
+    monkeypatch.delenv('JAX_ENABLE_X64', raising=False)
+    config = dqn.Config(epochs=1)
+    jax.config.update('jax_enable_x64', True)
+    try:
+        with pytest.raises(common.UsageError, match='jax_enable_x64 is on'):
+            common.run_sweep(None, config)
+    finally:
+        jax.config.update('jax_enable_x64', False)
+
+
+# ---------------------------------------------------------------------------
+# 11. Integer sizes (issue 37, class 4): every derived count checked before tracing
+# ---------------------------------------------------------------------------
+
+import actor_critic  # noqa: E402
+
+PRODUCTS = [
+    (actor_critic, ['--policy-loss', 'awr', '--n-replay-epochs', '2000000'],
+     'replay steps per run would be --n-replay-epochs 2000000 x --n-interactions-per-epoch'),
+    (dqn, ['--epochs', '20000000'],
+     'gradient steps per run would be --epochs 20000000 x --train-steps-per-epoch 128'),
+    (dqn, ['--lr-schedule', 'constant * linear_decay', '--lr-decay-epochs', '2147483647'],
+     "schedule's steps per run would be --lr-decay-epochs 2147483647 x "
+     '--train-steps-per-epoch 128 = 274877906816'),
+    (actor_critic, ['--lr-decay-epochs', '2147483647', '--lr-schedule',
+                    'constant * linear_decay'],
+     "schedule's steps per run would be --lr-decay-epochs 2147483647"),
+    (actor_critic, ['--epochs', '40000000', '--value-train-steps-per-epoch', '64',
+                    '--train-steps-per-epoch', '1'], 'value gradient steps per run'),
+    (pg, ['--epochs', '100000000'],
+     "env steps per run would be --epochs 100000000 x --n-trajectories-per-epoch 32 x "
+     "CartPole-v1's episode cap 500"),
+    (dqn, ['--epochs', '5000000', '--train-steps-per-epoch', '1'],
+     'env steps per run would be --epochs 5000000 x --n-interactions-per-epoch 512'),
+    (dqn, ['--n-replay-epochs', '10000000'], 'replay rows per run would be'),
+    (pg, ['--n-interactions-per-epoch', '1024', '--n-envs', '1024', '--max-steps', '3000000',
+          '--n-trajectories-per-epoch', 'none'], 'batch steps per run would be --n-envs 1024 x'),
+]
+
+
+@pytest.mark.parametrize('module,args,needle', PRODUCTS,
+                         ids=[f'{m.__name__} ' + ' '.join(a) for m, a, _ in PRODUCTS])
+def test_a_derived_count_past_int32_is_one_line_naming_the_product(module, args, needle,
+                                                                   tmp_path, capsys):
+    out = str(tmp_path / 'run')
+    status, err = run_main(module.main, [*args, '--output-dir', out], 'none', capsys,
+                           small=['--quiet'])
+    assert status == 2
+    one_line(err, needle, 'past 2147483647')
+    assert not os.path.exists(out)
+
+
+def test_the_library_refuses_a_derived_count_past_int32_too():
+    with pytest.raises(dqn.common.UsageError, match='gradient steps per run'):
+        dqn.make_agent(dqn.Config(epochs=20000000))
+
+
+# ---------------------------------------------------------------------------
+# 12. A divergence keeps its lead-up (issue 37, class 5)
+# ---------------------------------------------------------------------------
+
+
+def _diverging_run(tmp_path, grid, poisoned, at_epoch, capsys):
+    """dqn with --checkpoint-every 3 over 8 epochs (chunks 1, 2-3, 4-6, 7-8), its
+    parameters made NaN from epoch `at_epoch` on in the runs where
+    `poisoned(hp)` holds -> (status, stderr lines, metrics records, out)."""
+    import jax
+    import jax.numpy as jnp
+    parser = flags.build_parser(dqn.Config, 'dqn.py', '')
+    out = str(tmp_path / 'run')
+    small = [a for a in SMALL]
+    small[small.index('--checkpoint-every') + 1] = '3'
+    args = parser.parse_args([*small, '--epochs', '8', '--output-dir', out, '--compile-cache',
+                              'none', *grid])
+    config, grid = flags.config_and_grid(dqn.Config, args)
+
+    def make_poisoned_agent(config):
+        agent = dqn.make_agent(config)
+        train = agent.train
+
+        def poisoned_train(hp, state):
+            state, metrics = train(hp, state)
+            poison = jnp.where((state.epoch >= at_epoch) & poisoned(hp), jnp.nan, 1.0)
+            return state._replace(params=jax.tree.map(lambda p: p * poison, state.params)), \
+                metrics
+        agent.train = poisoned_train
+        return agent
+
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as stop:
+        cli.run_experiment(make_poisoned_agent, config, grid, args, 'dqn.py')
+    records = [json.loads(line) for line in open(os.path.join(out, 'metrics.jsonl'))]
+    return stop.value.code, capsys.readouterr().err.strip().splitlines(), records, out
+
+
+def test_a_divergence_inside_a_chunk_keeps_the_epochs_before_it(tmp_path, capsys):
+    status, err, records, out = _diverging_run(tmp_path, [], lambda hp: True, 5, capsys)
+    assert status == 1
+    one_line(err, 'non-finite', 'in epoch 5', 'checkpoint of epoch 3')
+    assert [r['epoch'] for r in records] == [1, 2, 3, 4]  # 4 ran in epoch 5's chunk
+    assert rundir.read_checkpoint_metadata(os.path.join(out, 'checkpoint.npz'))['epoch'] == 3
+
+
+def test_a_divergence_in_a_grid_names_the_run_and_keeps_the_healthy_runs_epochs(tmp_path,
+                                                                               capsys):
+    status, err, records, out = _diverging_run(
+        tmp_path, ['--lr', '1e-2,3e-3', '--num-seeds', '2'],
+        lambda hp: hp['lr'] < 5e-3, 5, capsys)
+    assert status == 1
+    line = one_line(err, 'non-finite', 'in epoch 5 of 2 of 4 runs', 'checkpoint of epoch 3',
+                    'the other 2 run(s), finite through epoch 6')
+    diverged = {(r['lr'], r['seed']) for r in records if r['epoch'] == 4} - \
+        {(r['lr'], r['seed']) for r in records if r['epoch'] == 5}
+    assert diverged and all(lr == 0.003 for lr, _ in diverged)
+    for lr, seed in diverged:
+        assert f'lr=0.003,seed={seed}' in line
+    assert diverged == {(0.003, 0), (0.003, 1)}
+    healthy = {(r['lr'], r['seed']) for r in records if r['epoch'] == 6}
+    assert healthy == {(0.01, 0), (0.01, 1)}  # their epochs 5 and 6 are kept
+    assert sorted(r['epoch'] for r in records if (r['lr'], r['seed']) in diverged) == \
+        sorted([1, 2, 3, 4] * 2)
+    for record in records:
+        assert all(value is None or np.isfinite(value) for name, value in record.items()
+                   if name.startswith('metrics/'))
+
+
+# ---------------------------------------------------------------------------
+# 13. Rerun after an early kill (issue 37, class 6)
+# ---------------------------------------------------------------------------
+
+
+def _killed_before_its_first_checkpoint(finished_run, out):
+    """What a run killed in its first minute leaves: config.json and the
+    lines of the epochs it ran, no checkpoint, no summary."""
+    shutil.copytree(finished_run, out)
+    for name in ('checkpoint.npz', 'checkpoint.prev.npz', 'summary.json'):
+        os.remove(os.path.join(out, name))
+
+
+def test_a_run_killed_before_its_first_checkpoint_reruns_with_its_flags(finished_run, cache_dir,
+                                                                       tmp_path, capsys):
+    out = str(tmp_path / 'run')
+    _killed_before_its_first_checkpoint(finished_run, out)
+    capsys.readouterr()
+    try:  # --output-dir alone, as the README says: every flag from config.json
+        dqn.main(['--output-dir', out, '--compile-cache', cache_dir])
+        status = 0
+    except SystemExit as stop:
+        status = stop.code
+    captured = capsys.readouterr()
+    assert status == 0, captured.err
+    assert 'stopped before its first checkpoint: running it again from epoch 1' in captured.out
+    assert metrics(out) == metrics(finished_run)
+    assert json.load(open(os.path.join(out, 'config.json'))) == \
+        json.load(open(os.path.join(finished_run, 'config.json')))
+
+
+def test_other_flags_on_a_run_killed_before_its_first_checkpoint_say_so(finished_run, cache_dir,
+                                                                       tmp_path, capsys):
+    out = str(tmp_path / 'run')
+    _killed_before_its_first_checkpoint(finished_run, out)
+    before = metrics(out)
+    status, err = run_main(dqn.main, ['--output-dir', out, '--gamma', '0.5'], cache_dir, capsys)
+    assert status == 2
+    one_line(err, 'stopped before its first checkpoint', 'gamma', f'--output-dir {out}')
+    assert metrics(out) == before

@@ -323,9 +323,9 @@ FORMERLY_CRASHING = [
     ('dqn', ['--num-seeds', '100000'], 'GiB'),
     ('dqn', ['--batch-size', '100000000'], 'GiB'),
     ('dqn', ['--train-steps-per-epoch', '1000000000'], 'GiB'),
-    ('dqn', ['--n-replay-epochs', '10000000'], 'GiB'),
-    ('pg', ['--n-trajectories-per-epoch', '100000000'], 'GiB'),
-    ('pg', ['--max-steps', '100000000'], 'GiB'),
+    ('dqn', ['--n-replay-epochs', '4000000'], 'GiB'),  # 2.05e9 rows: within int32
+    ('pg', ['--n-trajectories-per-epoch', '4000000'], 'GiB'),  # x 500 steps: within int32
+    ('pg', ['--max-steps', '60000000'], 'GiB'),  # x 32 episodes: within int32
 ]
 
 
