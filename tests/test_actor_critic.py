@@ -510,6 +510,11 @@ AC_CARTPOLE = dict(n_trajectories_per_epoch=None, n_envs=16, advantage_estimator
     # --joint PPO (separate torsos): the same 64 steps of 128 on one loss, one Adam.
     ('ppo', dict(n_interactions_per_epoch=2048, train_steps_per_epoch=64, batch_size=128,
                  lr=1e-3, epochs=100, joint=True, value_loss_coeff=0.5)),
+    # Trax's PPOJoint: one shared torso, value coefficient 0.1; the value head
+    # predicts V * (1 - gamma), so its loss does not swamp the torso.
+    ('ppo', dict(n_interactions_per_epoch=2048, train_steps_per_epoch=64, batch_size=128,
+                 lr=1e-3, epochs=100, joint=True, shared_torso=True, value_loss_coeff=0.1,
+                 scale_value_targets=True)),
 ])
 def test_actor_critic_solves_cartpole(policy_loss, overrides):
     config = ac.Config(policy_loss=policy_loss, **AC_CARTPOLE, **overrides)
