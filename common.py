@@ -719,11 +719,24 @@ def check_grid_fields(config, grid):
                              f'got {values!r}')
 
 
+def show_float(value):
+    """A float as short as `g` writes it where that is the same number, else
+    in full (repr): 1.0000001 must not read as 1 beside the bound it breaks."""
+    short = f'{value:g}'
+    return short if float(short) == value or not math.isfinite(value) else repr(value)
+
+
 def _show(value):
     if isinstance(value, tuple):
-        return ','.join(f'{v:g}' if isinstance(v, float) else str(v) for v in value)
-    return f'{value:g}' if isinstance(value, float) else repr(value) if isinstance(
+        return ','.join(show_float(v) if isinstance(v, float) else str(v) for v in value)
+    return show_float(value) if isinstance(value, float) else repr(value) if isinstance(
         value, str) else str(value)
+
+
+def _show32(value):
+    """A float32 value, as short as names it exactly (0.99999994, not 1)."""
+    short = f'{value:g}'
+    return short if as_float32(float(short)) == value else str(np.float32(value))
 
 
 def as_float32(value):
@@ -762,8 +775,8 @@ def check_grid(config, grid, check_runs):
         entries = [(name, e) for name, (kind, is_tuple, _) in kinds.items() if kind is float
                    for v in (grid or {}).get(name, [getattr(config, name)]) if v is not None
                    for e in (v if is_tuple else (v,))]
-        moved = ', '.join(f'{flag(name)} {e!r} is {as_float32(e):g}' for name, e in entries
-                          if float(f'{as_float32(e):.7g}') != e)
+        moved = ', '.join(f'{flag(name)} {e!r} is {_show32(as_float32(e))}'
+                          for name, e in entries if float(f'{as_float32(e):.7g}') != e)
         raise UsageError(f'{error} (in float32, the precision the program computes in: '
                          f'{moved})') from None
 

@@ -12,6 +12,7 @@ import importlib
 import importlib.util
 import json
 import os
+import re
 import signal
 import sys
 import threading
@@ -261,34 +262,96 @@ def _main(config_cls, make_agent, check_runs, prog, description, argv,
     except common.UsageError as error:
         parser.error(str(error))
     applied = flags.apply_env_settings(config_cls, args, env_settings, settings_mode_field)
-    # The fields a command line set, which common.check_inert refuses when
-    # they cannot act: typed (None), or from the env's settings.
-    args.set_fields = {**dict.fromkeys(sorted(applied or ()), f"{args.env}'s settings"),
-                       **dict.fromkeys(sorted(args.given))}
     try:
         saved = flags.saved_run_config(args.output_dir)
         unsaved = None if saved is not None else flags.unsaved_run_config(args.output_dir)
+        saved_flags = saved  # the layer of a saved run's flags, if any
         args.sees_saved_run = saved is not None  # processes must agree (check_same_flags)
         if saved is not None:  # resume: what the command line leaves out is the saved run's
             flags.take_saved_config(config_cls, args, saved)
         elif unsaved is not None and flags.take_saved_config(config_cls, args, unsaved):
+            saved_flags = unsaved
             # a run killed before its first checkpoint: rerun with its flags
             if not args.quiet and not args.only_eval:
                 say(f'{prog}: {args.output_dir} holds a run that stopped before its first '
                     'checkpoint: running it again from epoch 1 with its flags (config.json)')
-        elif applied and not args.quiet:
-            say(f'{prog}: settings for {args.env}: {flags.settings_flags(applied)}'
-                ' (a flag on the command line overrides each)')
         elif applied is None and not args.quiet:
             mode = flags.settings_flags({settings_mode_field: env_settings[args.env][settings_mode_field]})
             say(f'{prog}: the settings for {args.env} are for {mode}: not applied to '
                 f'{flags.settings_flags({settings_mode_field: getattr(args, settings_mode_field)})}')
-        config, grid = flags.config_and_grid(config_cls, args)
-        flags.check_run_flags(args)
-        common.check_grid(config, grid, check_runs)
+        args.setting_sources = {  # where each value not typed came from, for messages
+            **{name: f'the settings for {args.env}' for name in applied or {}},
+            **{name: f'the run saved in {args.output_dir}' for name in (saved_flags or {})
+               if name not in args.given}}
+        fresh = saved_flags is None
+
+        config, grid, dropped = _checked_config(config_cls, make_agent, check_runs, args,
+                                                applied if fresh else None)
+        # The fields a command line set, which make_agent refuses when they
+        # cannot act (common.check_inert): typed, or from the env's settings.
+        args.set_fields = {**dict.fromkeys(sorted(applied or ()), f"{args.env}'s settings"),
+                           **dict.fromkeys(sorted(args.given))}
+        if fresh and (applied or dropped) and not args.quiet:
+            say(f'{prog}: settings for {args.env}: {flags.settings_flags(applied) or "none"}'
+                ' (a flag on the command line overrides each)'
+                + (f'; not applied: {flags.settings_flags(dropped)} (inert with the flags '
+                   'given)' if dropped else ''))
     except common.UsageError as error:
-        parser.error(str(error))
+        parser.error(_with_source(str(error), args))
     return run_experiment(make_agent, config, grid, args, prog)
+
+
+_NAMED_FLAG = re.compile(r'--([a-z0-9-]+)')
+_INERT = re.compile(r'--[a-z0-9-]+ (?:acts with|acts on|has no effect|needs|takes effect)')
+
+
+def _checked_config(config_cls, make_agent, check_runs, args, applied):
+    """(config, grid, dropped) after every check a flag meets before the run.
+    A setting of the env's that the flags typed make inert (refused as one
+    that cannot act: `--max-slice-length acts with --torso gru only` under
+    `--env MetaMaze-misc --torso mlp`) is not applied: it is dropped (back to
+    its default) and the checks run again. With `applied` (a new run's
+    settings, one process), the agent is built once here to meet its own
+    checks of that kind too."""
+    dropped = {}
+    defaults = {field.name: field.default for field in dataclasses.fields(config_cls)}
+    while True:
+        try:
+            config, grid = flags.config_and_grid(config_cls, args)
+            flags.check_run_flags(args)
+            common.check_grid(config, grid, check_runs)
+            if applied and not devices.distributed_requested(args):
+                try:  # (no JAX backend before jax.distributed: only without it)
+                    make_agent(config, given={**dict.fromkeys(applied),
+                                              **dict.fromkeys(args.given)})
+                except common.UsageError:
+                    raise
+                except Exception:  # noqa: BLE001 (the run's own set-up reports it)
+                    return config, grid, dropped
+            return config, grid, dropped
+        except common.UsageError as error:
+            named = _NAMED_FLAG.match(str(error))
+            field = named and next((name for name in (named.group(1).replace('-', '_'),
+                                                      named.group(1).replace('-', '_') + '_')
+                                    if name in (applied or {})), None)
+            if not field or field in args.given or not _INERT.match(str(error)):
+                raise
+            dropped[field] = applied.pop(field)
+            setattr(args, field, defaults[field])
+
+
+def _with_source(message, args):
+    """`message`, saying where the flag it starts with came from when it was
+    not typed (the env's settings, the saved run): never blamed as if typed."""
+    named = _NAMED_FLAG.match(message)
+    sources = getattr(args, 'setting_sources', {})
+    if not named:
+        return message
+    for name in (named.group(1).replace('-', '_'), named.group(1).replace('-', '_') + '_'):
+        if name in sources and name not in getattr(args, 'given', ()):
+            value = flags.settings_flags({name: getattr(args, name, None)})
+            return f'{message} ({value} is from {sources[name]}, not the command line)'
+    return message
 
 
 def run_experiment(make_agent, config, grid, args, prog):
@@ -296,7 +359,7 @@ def run_experiment(make_agent, config, grid, args, prog):
     try:
         return _run_experiment(make_agent, config, grid, args, prog)
     except common.UsageError as error:
-        _fail(prog, str(error), local=getattr(error, 'local', False))
+        _fail(prog, _with_source(str(error), args), local=getattr(error, 'local', False))
     except ValueError as error:  # corrupt / mismatched checkpoint, remaining_evals
         _fail(prog, str(error), status=1, local=getattr(error, 'local', False))
     except (jax.errors.JaxRuntimeError, MemoryError) as error:
@@ -316,6 +379,10 @@ def _run_experiment(make_agent, config, grid, args, prog):
         with _writer_lock(run.output_dir):  # one writer per run dir, from here on
             return _locked_experiment(run, args, prog)
     except Interrupted as stop:
+        if run.finished:
+            _fail(prog, f'interrupted ({signal.Signals(stop.signum).name}) after the run '
+                        f'finished: its results are complete in {run.output_dir} '
+                        '(summary.json); nothing to rerun', status=128 + stop.signum)
         _fail(prog, f'interrupted ({signal.Signals(stop.signum).name}); {_kept(run)}',
               status=128 + stop.signum)
     except StdoutLost as error:
@@ -389,6 +456,7 @@ class _Run:
     compile_s: float = 0.0
     start_epoch: int = 0
     history: list = dataclasses.field(default_factory=list)  # metric records so far
+    finished: bool = False  # summary.json written
 
     @property
     def checkpoint_path(self):
@@ -433,11 +501,22 @@ def _set_up(make_agent, config, grid, args, prog):
     with devices.agreement():  # this host's memory and (process 0) files
         devices.check_memory(agent, hp, jax.ShapeDtypeStruct((len(runs) + pad, 2), jnp.uint32),
                      sorted(sharding.device_set, key=lambda device: device.id),
-                     agent.memory_flags)
+                     devices.memory_hint(config, agent.memory_flags))
         if devices.is_writer():
             if args.only_eval and not any(os.path.isfile(os.path.join(output_dir, name))
                                           for name in ('checkpoint.npz', 'checkpoint.prev.npz')):
                 # (checkpoint.npz alone is briefly absent while a running writer saves)
+                writer = rundir.lock_holder(output_dir)
+                if writer is not None:
+                    raise common.UsageError(
+                        f'another run (pid {writer}) is writing {output_dir} and has saved no '
+                        'checkpoint yet: --only-eval evaluates a checkpoint; rerun it after '
+                        "that run's first one (a minute, or its --checkpoint-every epoch)")
+                if os.path.isfile(os.path.join(output_dir, 'config.json')):
+                    raise common.UsageError(
+                        f'--only-eval: the run in {output_dir} stopped before its first '
+                        f'checkpoint, so there is nothing to evaluate; rerun it with '
+                        f'--output-dir {output_dir} (it starts again with its flags)')
                 raise common.UsageError(f'--only-eval: no checkpoint at {checkpoint_path}')
             _prepare_output_dir(output_dir, prog)
 
@@ -488,6 +567,11 @@ def _find_saved_run(run, only_eval):
                              'process shares')
         if run.resuming:
             epoch = _check_saved_config(run)['epoch']
+            if epoch > run.config.epochs and not only_eval:
+                raise common.UsageError(
+                    f'--epochs {run.config.epochs} is below the {epoch} epochs the run in '
+                    f'{run.output_dir} has done: give --epochs {epoch} or more to go on (or '
+                    'leave it out), or --only-eval to evaluate it; nothing was changed')
             if devices.is_writer() and not only_eval:  # what the run rewrites must be whole
                 rundir.check_history(rundir.read_history(run.metrics_path, epoch), epoch,
                                      len(run.runs), run.metrics_path)
@@ -645,9 +729,15 @@ def _only_eval(run, phases, state, args):
         return metrics
     records = rundir.metric_records(run.start_epoch, metrics, run.runs)
     rundir.write_jsonl(os.path.join(run.output_dir, 'eval.jsonl'), records)
+    if args.plot:  # the learning curves of metrics.jsonl, up to the checkpoint
+        rundir.plot_learning_curves(run.history, run.agent, run.config.env,
+                                    os.path.join(run.output_dir, rundir.PLOT_FILE))
     if not args.quiet:
         for name, values in metrics.items():
             say(f'epoch {run.start_epoch} {name}: {_mean_min(values)}')
+        if args.plot:
+            say(f'learning curves of epochs 1-{run.start_epoch} in '
+                f'{os.path.join(run.output_dir, rundir.PLOT_FILE)}')
     return metrics
 
 
@@ -728,8 +818,9 @@ def _epoch_loop(run, phases, state, args, prog):
                 _stop_after(run, epoch, lost, prog)
             if out_of_time and epoch < config.epochs:
                 if devices.is_writer():
-                    _show(f'time limit: stopped after epoch {epoch} of {config.epochs}; rerun '
-                          f'with --output-dir {run.output_dir} to go on', args)
+                    _show(f'time limit: stopped after epoch {epoch} of {config.epochs} '
+                          f'({_evaluation_note(run)}); rerun with --output-dir '
+                          f'{run.output_dir} to go on', args)
                 break
     return last
 
@@ -922,14 +1013,31 @@ def _finish(run, args):
                        run.compile_s, getattr(args, 'batch_invariant', True))
     rundir.atomic_write_bytes(os.path.join(run.output_dir, 'summary.json'),
                        json.dumps(summary, indent=2).encode())
+    run.finished = True  # a signal from here on stops nothing that a rerun would redo
     if args.plot:
         rundir.plot_learning_curves(run.history, run.agent, run.config.env,
                                     os.path.join(run.output_dir, rundir.PLOT_FILE))
     if not args.quiet:
         finals = summary['final_eval_return']
-        say(f'done: {len(run.runs)} run(s), final greedy return {_mean_min(finals)}, '
+        at = summary['final_eval_epoch']
+        said = '' if at in (None, summary['epochs']) else f" (epoch {at}'s evaluation)"
+        say(f'done: {len(run.runs)} run(s), final greedy return {_mean_min(finals)}{said}, '
             f'wall {summary["wall_s"]:.1f}s (compile {run.compile_s:.1f}s), '
             f'results in {run.output_dir}')
+    _signals.stopping = True  # said done: a signal now changes nothing (status 0)
+
+
+def _last_evaluation(history, key):
+    """The last epoch of `history` with an evaluation under `key` (None: none yet)."""
+    return max((r['epoch'] for r in history if key and r.get(key) is not None), default=None)
+
+
+def _evaluation_note(run):
+    """Which evaluation summary.json reports, for a run stopped before its last epoch."""
+    epoch = _last_evaluation(run.history, _final_eval_key(run.agent, run.config))
+    if epoch is None:
+        return 'no evaluation yet: summary.json has no final_eval_return'
+    return f"summary.json's final_eval_return is epoch {epoch}'s evaluation"
 
 
 def _final_eval_key(agent, config):
@@ -947,6 +1055,10 @@ def _summary(agent, config, runs, history, wall_start, compile_s, batch_invarian
     final_epoch = max((record['epoch'] for record in history), default=0)
     final = sorted((r for r in history if r['epoch'] == final_epoch), key=lambda r: r['run'])
     key = _final_eval_key(agent, config)
+    # The latest evaluation: the last epoch's, unless --time-limit stopped the
+    # run between evaluations (then an earlier one's, and final_eval_epoch says which).
+    eval_epoch = _last_evaluation(history, key)
+    evaluated = sorted((r for r in history if r['epoch'] == eval_epoch), key=lambda r: r['run'])
     return {
         'algorithm': agent.name,
         'env': config.env,
@@ -954,8 +1066,9 @@ def _summary(agent, config, runs, history, wall_start, compile_s, batch_invarian
         'runs': runs,
         'epochs': final_epoch,
         'env_steps_per_seed': [r.get('rl/n_interactions') for r in final],
-        'final_eval_return': [r.get(key) for r in final],
+        'final_eval_return': [r.get(key) for r in (evaluated if eval_epoch else final)],
         'final_eval_key': key,
+        'final_eval_epoch': eval_epoch,
         'wall_s': time.time() - wall_start,
         'compile_s': compile_s,
         'batch_invariant': batch_invariant,

@@ -2,6 +2,7 @@
 sharded over devices, and one sweep over several processes
 (jax.distributed), where process 0 is the one writer."""
 
+import dataclasses
 import hashlib
 import io
 import json
@@ -64,6 +65,40 @@ def memory_available(device):
         return int(fields['MemAvailable'].split()[0]) * 1024
     except (OSError, KeyError, ValueError):
         return os.sysconf('SC_AVPHYS_PAGES') * os.sysconf('SC_PAGE_SIZE')
+
+
+# Fields whose values size a run's state or a phase's arrays (each script has
+# some): the memory refusal names those set above their defaults.
+SIZE_FIELDS = ('n_replay_epochs', 'n_envs', 'n_interactions_per_epoch',
+               'n_trajectories_per_epoch', 'max_steps', 'batch_size', 'value_batch_size',
+               'train_steps_per_epoch', 'value_train_steps_per_epoch', 'gru_size',
+               'hidden_sizes', 'conv_channels', 'n_eval_episodes', 'eval_steps')
+
+
+def memory_hint(config, fallback):
+    """The flags to lower when runs do not fit: the size fields set above their
+    defaults (on the command line, by the env's settings or by the saved run),
+    the most grown first, then the number of runs; `fallback` (the script's
+    list) when none is."""
+    def size(value):
+        return max(value) if isinstance(value, tuple) and value else value
+    grown = []
+    for field in dataclasses.fields(config):
+        if field.name not in SIZE_FIELDS:
+            continue
+        value, default = size(getattr(config, field.name)), size(field.default)
+        if not isinstance(value, int) or isinstance(value, bool) or value <= (default or 0):
+            continue
+        grown.append((value / default if default else math.inf, field.name))
+    if not grown:
+        return fallback
+    said = ', '.join(f'--{name.replace("_", "-")} '
+                     + ','.join(map(str, getattr(config, name)))
+                     if isinstance(getattr(config, name), tuple) else
+                     f'--{name.replace("_", "-")} {getattr(config, name)}'
+                     for _, name in sorted(grown, reverse=True)[:3])
+    return (f'{said} (above {"its default" if len(grown) == 1 else "their defaults"}), '
+            'or --num-seeds (or the grid)')
 
 
 def check_memory(agent, hp, keys, devices, hint):

@@ -361,8 +361,8 @@ def check_run_flags(args):
         raise common.UsageError(f'--checkpoint-every must be >= 1 (and fit int32), got {every}')
     time_limit = getattr(args, 'time_limit', None)
     if time_limit is not None and not 0 < time_limit < float('inf'):
-        raise common.UsageError(f'--time-limit must be a number of seconds > 0, got {time_limit:g}')
+        raise common.UsageError(f'--time-limit must be a number of seconds > 0, got {common.show_float(time_limit)}')
     timeout = getattr(args, 'coordinator_timeout', 60.0)
     if not 1 <= timeout <= 86400:
-        raise common.UsageError(f'--coordinator-timeout must be in [1, 86400] seconds, got {timeout:g}')
+        raise common.UsageError(f'--coordinator-timeout must be in [1, 86400] seconds, got {common.show_float(timeout)}')
     devices.check_process_flags(args)

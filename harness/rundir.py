@@ -361,12 +361,33 @@ def output_dir_lock(path):
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             raise common.UsageError(f'another run (pid {_lock_holder(fd)}) is writing {path}') from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f'{os.getpid()}\n'.encode(), 0)
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f'{os.getpid()}\n'.encode(), 0)
+        except OSError as error:  # a full disk: named like every other write
+            raise _naming(error, lock_path)
         remove_temp_files(path)
         yield
     finally:
         os.close(fd)  # releases the lock
+
+
+def lock_holder(path):
+    """The pid of another process holding path/run.lock (a run writing the
+    directory now), or None: the lock is tried shared and released at once."""
+    try:
+        fd = os.open(os.path.join(path, LOCK_FILE), os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return _lock_holder(fd)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)  # (releases a lock it took)
+    return None
 
 
 def _lock_holder(fd):

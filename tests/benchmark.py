@@ -63,10 +63,20 @@ PUREJAXRL_PPO = ('--n-envs 4 --n-interactions-per-epoch 512 --epochs 976 '
                  '--value-batch-size 128 --lr 1e-4 --value-lr 1e-3 --entropy-coeff 0.01 '
                  '--max-grad-norm 0.5 --lambda 0.95 --epsilon 0.2 --adam-b1 0.9 --adam-b2 0.999 '
                  '--adam-eps 1e-5 --advantage-estimator gae --added-policy-slice-length 128')
+# The same work with --joint (separate torsos, one loss and one Adam, as
+# PureJaxRL): PureJaxRL's own lr 2.5e-4 and value coefficient 0.5, and the
+# value network predicting V * (1 - gamma), without which its critic at that
+# lr left 1-2 of 8 seeds stuck near 230 (docs/benchmarks.md).
+PUREJAXRL_PPO_JOINT = ('--joint --n-envs 4 --n-interactions-per-epoch 512 --epochs 976 '
+                       '--train-steps-per-epoch 16 --batch-size 128 --lr 2.5e-4 '
+                       '--entropy-coeff 0.01 --value-loss-coeff 0.5 --max-grad-norm 0.5 '
+                       '--lambda 0.95 --epsilon 0.2 --adam-eps 1e-5 --advantage-estimator gae '
+                       '--added-policy-slice-length 128 --scale-value-targets')
 CASES = {  # name: (script, flags)
     'dqn-cartpole': ('dqn', ''),
     'ppo-cartpole': ('actor_critic', ''),
     'ppo-purejaxrl': ('actor_critic', PUREJAXRL_PPO),
+    'ppo-purejaxrl-joint': ('actor_critic', PUREJAXRL_PPO_JOINT),
     'dqn-breakout': ('dqn', '--env Breakout-MinAtar'),
     'ppo-breakout': ('actor_critic', '--env Breakout-MinAtar'),
 }

@@ -530,6 +530,16 @@ def test_a_failing_writer_ends_the_run_in_one_line_naming_its_file(writer, finis
     assert metrics(out) == metrics(finished_run)
 
 
+def test_a_full_disk_at_the_run_lock_names_it(tmp_path, capsys, monkeypatch):
+    def pwrite(fd, data, offset):
+        raise OSError(errno.ENOSPC, 'No space left on device')
+    monkeypatch.setattr(os, 'pwrite', pwrite)
+    out = str(tmp_path / 'run')
+    status, err = run_main(dqn.main, ['--output-dir', out], 'none', capsys)
+    assert status == 1
+    one_line(err, 'run.lock', '(ENOSPC)', 'no checkpoint was saved')
+
+
 def test_tensorboard_events_are_written_in_the_callers_thread(tmp_path):
     """No writer thread: nothing can die out of sight, fill a queue and block
     the run, or be joined at exit."""
@@ -776,3 +786,206 @@ def test_other_flags_on_a_run_killed_before_its_first_checkpoint_say_so(finished
     assert status == 2
     one_line(err, 'stopped before its first checkpoint', 'gamma', f'--output-dir {out}')
     assert metrics(out) == before
+
+
+# ---------------------------------------------------------------------------
+# 14. Messages name the real cause (issue 37, class 7)
+# ---------------------------------------------------------------------------
+
+AS_TYPED = [
+    (dqn, ['--exploration-minimum', '1.0000001'], 'must be in [0, 1], got 1.0000001'),
+    (dqn, ['--gamma', '1.0000001'], 'must be in (0, 1], got 1.0000001'),
+    (dqn, ['--gamma', '0.9,1.0000001'], 'must be in (0, 1], got 1.0000001'),
+    (pg, ['--eval-temperatures', '0,-0.0000001'], 'must be >= 0, got 0,-1e-07'),
+    (dqn, ['--coordinator-timeout', '86400.0000001'], 'got 86400.0000001'),
+    (dqn, ['--gamma', '1.5'], 'must be in (0, 1], got 1.5'),  # short where that is exact
+]
+
+
+@pytest.mark.parametrize('module,args,needle', AS_TYPED,
+                         ids=[' '.join(args) for _, args, _ in AS_TYPED])
+def test_a_bound_message_prints_the_value_as_typed(module, args, needle, tmp_path, capsys):
+    out = str(tmp_path / 'run')
+    status, err = run_main(module.main, [*args, '--output-dir', out], 'none', capsys,
+                           small=['--quiet'])
+    assert status == 2
+    one_line(err, needle)
+    assert not os.path.exists(out)
+
+
+def test_a_float32_value_is_printed_exactly():
+    assert flags._show32(float(np.float32(0.99999997))) == '0.99999994'
+    assert flags._show32(1.0) == '1' and flags._show32(float(np.float32(0.5))) == '0.5'
+
+
+MEMORY = [  # the flag that grew the state, and flags the script's list names but did not
+    (actor_critic, ['--policy-loss', 'awr', '--n-replay-epochs', '1000000'],
+     '--n-replay-epochs 1000000', ['--max-steps', '--n-trajectories-per-epoch']),
+    (pg, ['--torso', 'gru', '--gru-size', '200000', '--batch-size', '0'], '--gru-size 200000',
+     ['--max-steps', '--n-trajectories-per-epoch', '--batch-size']),
+    (dqn, ['--n-replay-epochs', '4000000'], '--n-replay-epochs 4000000',
+     ['--batch-size', '--train-steps-per-epoch']),
+]
+
+
+@pytest.mark.parametrize('module,args,grown,innocent', MEMORY,
+                         ids=[' '.join(args) for _, args, _, _ in MEMORY])
+def test_the_memory_refusal_names_the_flags_that_grew_the_state(module, args, grown, innocent,
+                                                                tmp_path, capsys):
+    out = str(tmp_path / 'run')
+    status, err = run_main(module.main, [*args, '--output-dir', out], 'none', capsys,
+                           small=['--quiet'])
+    assert status == 2
+    line = one_line(err, 'GiB', f'lower {grown} (above its default), or --num-seeds')
+    assert not any(flag in line for flag in innocent), line
+    assert not os.path.exists(out)
+
+
+def test_an_env_setting_the_typed_flags_make_inert_is_not_applied(tmp_path, capsys):
+    """--env MetaMaze-misc --torso mlp: its --max-slice-length 200 (GRU
+    sequences) cannot act, so it is not applied, and the line says so; the
+    run goes on (here to --only-eval's refusal, before compiling)."""
+    out = str(tmp_path / 'run')
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as stop:
+        actor_critic.main(['--env', 'MetaMaze-misc', '--torso', 'mlp', '--only-eval',
+                           '--output-dir', out, '--compile-cache', 'none'])
+    captured = capsys.readouterr()
+    assert stop.value.code == 2
+    one_line(captured.err.strip().splitlines(), '--only-eval: no checkpoint')
+    assert 'not applied: --max-slice-length 200 (inert with the flags given)' in captured.out
+    assert '--batch-size 800' in captured.out  # the others are applied
+
+
+def test_a_refusal_says_which_value_came_from_the_env_settings(tmp_path, capsys):
+    out = str(tmp_path / 'run')
+    status, err = run_main(actor_critic.main, ['--env', 'MetaMaze-misc', '--n-envs', '7',
+                                               '--output-dir', out], 'none', capsys,
+                           small=['--quiet'])
+    assert status == 2
+    one_line(err, 'must be a multiple of --n-envs (7)',
+             '(--n-interactions-per-epoch 3200 is from the settings for MetaMaze-misc, not the '
+             'command line)')
+    assert not os.path.exists(out)
+
+
+def test_a_refusal_says_which_value_came_from_the_saved_run(tmp_path, capsys):
+    import dataclasses
+    out = str(tmp_path / 'run')
+    os.makedirs(out)
+    config = actor_critic.Config(env='MetaMaze-misc', **{
+        k: v for k, v in actor_critic.ENV_SETTINGS['MetaMaze-misc'].items()})
+    run_config = json.loads(json.dumps({'algorithm': 'actor_critic', **dataclasses.asdict(config),
+                                        'grid': {}, 'seed': 0, 'num_seeds': 1}))
+    rundir.save_checkpoint(os.path.join(out, 'checkpoint.npz'), {},
+                           {'config': run_config, 'epoch': 1})
+    before = open(os.path.join(out, 'checkpoint.npz'), 'rb').read()
+    status, err = run_main(actor_critic.main, ['--output-dir', out, '--torso', 'mlp'], 'none',
+                           capsys, small=['--quiet'])
+    assert status == 2
+    one_line(err, '--max-slice-length acts with --torso gru only',
+             f'(--max-slice-length 200 is from the run saved in {out}, not the command line)')
+    assert open(os.path.join(out, 'checkpoint.npz'), 'rb').read() == before
+
+
+# ---------------------------------------------------------------------------
+# 15. Resume and evaluation edges (issue 37, class 9)
+# ---------------------------------------------------------------------------
+
+
+def _files(out):
+    return {name: open(os.path.join(out, name), 'rb').read() for name in sorted(os.listdir(out))
+            if os.path.isfile(os.path.join(out, name)) and name != 'run.lock'}
+
+
+def test_epochs_below_those_done_are_refused_and_nothing_is_rewritten(finished_run, cache_dir,
+                                                                     tmp_path, capsys):
+    out = str(tmp_path / 'run')
+    shutil.copytree(finished_run, out)
+    before = _files(out)
+    status, err = run_main(dqn.main, ['--output-dir', out, '--epochs', '2'], cache_dir, capsys)
+    assert status == 2
+    one_line(err, '--epochs 2 is below the 3 epochs the run in', '--epochs 3 or more')
+    assert _files(out) == before  # config.json keeps its 3 epochs
+
+
+def test_only_eval_while_another_run_writes_names_the_writer(tmp_path, capsys):
+    out = str(tmp_path / 'run')
+    os.makedirs(out)
+    with rundir.output_dir_lock(out):  # a run in its first minute: no checkpoint yet
+        status, err = run_main(dqn.main, ['--only-eval', '--output-dir', out], 'none', capsys)
+    assert status == 2
+    one_line(err, f'another run (pid {os.getpid()}) is writing {out}', 'no checkpoint yet')
+    assert rundir.lock_holder(out) is None  # the probe left no lock behind
+
+
+def test_only_eval_on_a_run_killed_before_its_first_checkpoint_says_so(finished_run, tmp_path,
+                                                                      capsys):
+    out = str(tmp_path / 'run')
+    _killed_before_its_first_checkpoint(finished_run, out)
+    status, err = run_main(dqn.main, ['--only-eval', '--output-dir', out], 'none', capsys)
+    assert status == 2
+    one_line(err, 'stopped before its first checkpoint', f'rerun it with --output-dir {out}')
+
+
+def test_only_eval_with_plot_draws_the_learning_curves(finished_run, cache_dir, tmp_path,
+                                                       capsys):
+    out = str(tmp_path / 'run')
+    shutil.copytree(finished_run, out)
+    assert not os.path.exists(os.path.join(out, 'learning_curve.png'))
+    status, err = run_main(dqn.main, ['--only-eval', '--plot', '--output-dir', out], cache_dir,
+                           capsys)
+    assert status == 0, err
+    assert os.path.getsize(os.path.join(out, 'learning_curve.png')) > 0
+    assert temp_files(out) == []
+
+
+def test_a_time_limit_stop_reports_the_latest_evaluation_and_says_which():
+    agent = types.SimpleNamespace(name='dqn', eval_tags=[(0.0, 40)])
+    config = types.SimpleNamespace(env='CartPole-v1', n_eval_episodes=2, epochs=100)
+    key = 'rl/avg_return_temperature0.00_steps40'
+    history = [{'epoch': epoch, 'run': run, 'seed': run, 'rl/n_interactions': 64 * epoch,
+                **({key: 10.0 * epoch + run} if epoch % 5 == 0 else {})}
+               for epoch in range(1, 8) for run in range(2)]
+    summary = cli._summary(agent, config, [{'seed': 0}, {'seed': 1}], history, 0.0, 0.0, True)
+    assert summary['epochs'] == 7 and summary['final_eval_epoch'] == 5
+    assert summary['final_eval_return'] == [50.0, 51.0]
+    run = types.SimpleNamespace(history=history, agent=agent, config=config)
+    assert "final_eval_return is epoch 5's evaluation" in cli._evaluation_note(run)
+    run.history = history[:8]  # epochs 1-4: no evaluation yet
+    assert 'no evaluation yet' in cli._evaluation_note(run)
+    summary = cli._summary(agent, config, [{'seed': 0}, {'seed': 1}], history[:8], 0, 0, True)
+    assert summary['final_eval_return'] == [None, None] and summary['final_eval_epoch'] is None
+
+
+def test_a_signal_after_the_summary_does_not_ask_for_a_rerun(finished_run, cache_dir, tmp_path,
+                                                            capsys, monkeypatch):
+    out = str(tmp_path / 'run')
+    shutil.copytree(finished_run, out)
+    say = cli.say
+
+    def say_then_signal(text):  # SIGTERM while the done line is said
+        if text.startswith('done:'):
+            os.kill(os.getpid(), signal.SIGTERM)
+        say(text)
+    monkeypatch.setattr(cli, 'say', say_then_signal)
+    loud = [a for a in SMALL if a != '--quiet']
+    status, err = run_main(dqn.main, ['--output-dir', out], cache_dir, capsys, small=loud)
+    assert status == 128 + signal.SIGTERM
+    line = one_line(err, 'interrupted (SIGTERM) after the run finished', 'nothing to rerun')
+    assert 'rerun with' not in line
+    assert json.load(open(os.path.join(out, 'summary.json')))['epochs'] == 3
+
+
+def test_a_signal_after_done_changes_nothing(finished_run, cache_dir, tmp_path, capsys,
+                                            monkeypatch):
+    out = str(tmp_path / 'run')
+    shutil.copytree(finished_run, out)
+    finish = cli._finish
+
+    def finish_then_signal(run, args):
+        finish(run, args)
+        os.kill(os.getpid(), signal.SIGTERM)  # after `done:`
+    monkeypatch.setattr(cli, '_finish', finish_then_signal)
+    status, err = run_main(dqn.main, ['--output-dir', out], cache_dir, capsys)
+    assert status == 0 and err == []

@@ -52,8 +52,9 @@ SIZES['actor_critic-gru'] = [
     '--value-train-steps-per-epoch', '256', '--value-batch-size', '32', '--hidden-sizes', '16',
     '--n-eval-episodes', '2', '--eval-steps', '40', '--checkpoint-every', '1']
 # --joint: one optimiser over both networks, no value trainer state; separate
-# torsos (PPO, as PureJaxRL), and one shared torso with its GRU (A2C).
-JOINT = ['--n-envs', '4', '--n-interactions-per-epoch', '64', '--train-steps-per-epoch', '256',
+# torsos (PPO, as PureJaxRL), and one shared torso with its GRU (A2C). 512
+# steps an epoch: with no value steps, 256 let a run end before the kill.
+JOINT = ['--n-envs', '4', '--n-interactions-per-epoch', '64', '--train-steps-per-epoch', '512',
          '--batch-size', '32', '--hidden-sizes', '16', '--n-eval-episodes', '2',
          '--eval-steps', '40', '--checkpoint-every', '1', '--joint']
 SIZES['actor_critic-joint'] = JOINT
