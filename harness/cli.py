@@ -287,10 +287,10 @@ def _main(config_cls, make_agent, check_runs, prog, description, argv,
 
         config, grid, dropped = _checked_config(config_cls, make_agent, check_runs, args,
                                                 applied if fresh else None)
-        # The fields a command line set, which make_agent refuses when they
-        # cannot act (common.check_inert): typed, or from the env's settings.
-        args.set_fields = {**dict.fromkeys(sorted(applied or ()), f"{args.env}'s settings"),
-                           **dict.fromkeys(sorted(args.given))}
+        # The fields this command set, which make_agent refuses when they cannot
+        # act (common.check_inert): typed, from the env's settings or the saved
+        # run (_with_source names where a value not typed came from).
+        args.set_fields = dict.fromkeys(sorted({*args.setting_sources, *args.given}))
         if fresh and (applied or dropped) and not args.quiet:
             say(f'{prog}: settings for {args.env}: {flags.settings_flags(applied) or "none"}'
                 ' (a flag on the command line overrides each)'
@@ -485,7 +485,10 @@ def _set_up(make_agent, config, grid, args, prog):
     devices.check_same_flags(args)
     runs = common.expand_runs(config, grid, args.seed, args.num_seeds)
     # make_agent checks the config, the env and the fields that cannot act.
-    agent = make_agent(config, given=getattr(args, 'set_fields', getattr(args, 'given', set())))
+    try:
+        agent = make_agent(config, given=getattr(args, 'set_fields', getattr(args, 'given', set())))
+    except common.UsageError as error:
+        raise common.UsageError(_with_source(str(error), args)) from None
     sharding = devices._run_sharding(len(runs), args.device)
     pad = devices.lone_run_padding(len(runs), sharding, getattr(args, 'batch_invariant', True))
     hp = _pad_rows(common.hyperparameters(config, runs), pad)

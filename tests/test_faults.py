@@ -814,8 +814,8 @@ def test_a_bound_message_prints_the_value_as_typed(module, args, needle, tmp_pat
 
 
 def test_a_float32_value_is_printed_exactly():
-    assert flags._show32(float(np.float32(0.99999997))) == '0.99999994'
-    assert flags._show32(1.0) == '1' and flags._show32(float(np.float32(0.5))) == '0.5'
+    assert common._show32(float(np.float32(0.99999997))) == '0.99999994'
+    assert common._show32(1.0) == '1' and common._show32(float(np.float32(0.5))) == '0.5'
 
 
 MEMORY = [  # the flag that grew the state, and flags the script's list names but did not
