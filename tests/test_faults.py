@@ -989,3 +989,34 @@ def test_a_signal_after_done_changes_nothing(finished_run, cache_dir, tmp_path, 
     monkeypatch.setattr(cli, '_finish', finish_then_signal)
     status, err = run_main(dqn.main, ['--output-dir', out], cache_dir, capsys)
     assert status == 0 and err == []
+
+
+# ---------------------------------------------------------------------------
+# Classes 8 and 10: a flag that cannot act is refused the same way whatever it
+# is, by the command line and by Python, with one message (tests/test_library.py
+# holds the full table of refusals shared by both).
+# ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize('script,fields,flags,message', [
+    ('actor_critic', dict(conv_channels=(8,)), ['--conv-channels', '8'],
+     "--conv-channels acts with the conv torso only (--torso conv, or auto on "
+     "[height, width, channels] observations); CartPole-v1's observations are flat"),
+    ('dqn', dict(advantage_estimator='monte_carlo', max_slice_length=3),
+     ['--advantage-estimator', 'monte_carlo', '--max-slice-length', '3'],
+     '--max-slice-length has no effect with --advantage-estimator monte_carlo'),
+    ('actor_critic', dict(max_slice_length=50), ['--max-slice-length', '50'],
+     '--max-slice-length acts with --torso gru only'),
+])
+def test_an_inert_flag_is_refused_alike_by_the_cli_and_python(script, fields, flags, message,
+                                                              tmp_path):
+    module = __import__(script)
+    with pytest.raises(common.UsageError) as refused:
+        module.make_agent(module.Config(**fields))
+    assert str(refused.value).startswith(message)
+    out = tmp_path / 'run'
+    result = subprocess.run([sys.executable, os.path.join(ROOT, f'{script}.py'), *flags,
+                             '--output-dir', str(out)], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 2
+    assert result.stderr == f'{script}.py: error: {refused.value}\n'
+    assert not out.exists()  # refused before anything is written
