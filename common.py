@@ -592,6 +592,18 @@ def env_steps_factors(config, n_envs, steps, max_steps):
     return [('--n-interactions-per-epoch', n_envs * steps)]
 
 
+def step_products(config, env_steps):
+    """The int32 products every algorithm counts: gradient steps, env steps
+    and the learning-rate schedule's steps (for check_int32_products)."""
+    return [
+        ('gradient steps', [('--epochs', config.epochs),
+                            ('--train-steps-per-epoch', config.train_steps_per_epoch)]),
+        ('env steps', [('--epochs', config.epochs), *env_steps]),
+        ("the learning-rate schedule's steps",
+         [('--lr-decay-epochs', config.lr_decay_epochs or config.epochs),
+          ('--train-steps-per-epoch', config.train_steps_per_epoch)])]
+
+
 @dataclasses.dataclass(frozen=True)
 class Bounds:
     """An interval, written as in maths: '[1, inf)', '(0, 1]', '[0, 1)'."""

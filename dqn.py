@@ -638,13 +638,8 @@ def make_agent(config: Config, given=None) -> common.Agent:
         steps = config.n_interactions_per_epoch // config.n_envs
     check_block_length(n_step, steps)
     env_steps = common.env_steps_factors(config, n_envs, steps, max_steps)
-    common.check_int32_products([  # the counters and the replay's row index
-        ('gradient steps', [('--epochs', config.epochs),
-                            ('--train-steps-per-epoch', config.train_steps_per_epoch)]),
-        ('env steps', [('--epochs', config.epochs), *env_steps]),
-        ("the learning-rate schedule's steps",
-         [('--lr-decay-epochs', config.lr_decay_epochs or config.epochs),
-          ('--train-steps-per-epoch', config.train_steps_per_epoch)]),
+    # The counters and the replay's row index.
+    common.check_int32_products(common.step_products(config, env_steps) + [
         ('replay rows', [('--n-replay-epochs', config.n_replay_epochs), *env_steps])])
     common.check_inert(config, {**common.shared_inert(config, torso, env_params),
                                 **inert_fields(config)}, given)

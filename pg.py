@@ -423,13 +423,8 @@ def make_agent(config: Config, given=None) -> common.Agent:
         steps = config.n_interactions_per_epoch // config.n_envs
         row_length = max_steps + steps  # the waiting tail, then the epoch's steps
     env_steps = common.env_steps_factors(config, n_envs, steps, max_steps)
-    common.check_int32_products([  # the counters and the batch's row index
-        ('gradient steps', [('--epochs', config.epochs),
-                            ('--train-steps-per-epoch', config.train_steps_per_epoch)]),
-        ('env steps', [('--epochs', config.epochs), *env_steps]),
-        ("the learning-rate schedule's steps",
-         [('--lr-decay-epochs', config.lr_decay_epochs or config.epochs),
-          ('--train-steps-per-epoch', config.train_steps_per_epoch)]),
+    # The counters and the batch's row index.
+    common.check_int32_products(common.step_products(config, env_steps) + [
         ('batch steps', env_steps if fresh else
          [('--n-envs', n_envs), (f'(the episode cap {max_steps} + {steps} steps an epoch)',
                                  row_length)])])
