@@ -15,6 +15,7 @@ import itertools
 import json
 import math
 import os
+import re
 import sys
 import time
 import types
@@ -1106,6 +1107,22 @@ def env_settings(config_cls, table, typed, mode_field=None):
     return {name: value for name, value in entry.items() if name not in typed}
 
 
+# A refusal of a field that cannot act with the other flags (check_inert's, or
+# an algorithm's cross-field rule): `--max-slice-length acts with --torso gru only`.
+_INERT = re.compile(r'--([a-z0-9-]+) (?:acts with|acts on|has no effect|needs|takes effect)')
+
+
+def inert_setting(error, applied, typed):
+    """The env setting (a key of `applied`, not typed) that `error` refuses as
+    unable to act with the flags typed, or None. Such a setting is dropped, not
+    refused: `--env MetaMaze-misc --torso mlp` runs without the GRU's settings."""
+    named = _INERT.match(str(error))
+    field = named and next((name for name in (named.group(1).replace('-', '_'),
+                                              named.group(1).replace('-', '_') + '_')
+                            if name in applied), None)
+    return field if field and field not in typed else None
+
+
 def config_and_grid(config_cls, values):
     """(config with each sweep field at its first value, {field: [values]}),
     the grid in field order (its outer loop first)."""
@@ -1133,23 +1150,32 @@ def plain_main(config_cls, make_agent, settings, argv=None, mode_field=None):
         check_precision()
         typed, run = parse_flags(config_cls, argv)
         table = settings(typed) if callable(settings) else settings
-        applied = env_settings(config_cls, table, typed, mode_field) or {}
-        config, grid = config_and_grid(config_cls, {**applied, **typed})
+        applied, dropped = env_settings(config_cls, table, typed, mode_field) or {}, {}
         if not (1 <= run['num_seeds'] and 0 <= run['seed']
                 and run['seed'] + run['num_seeds'] - 1 <= INT32_MAX):
             raise UsageError(f'--seed and --num-seeds: seeds {run["seed"]}.. must be int32')
         if run['output_dir'] and os.path.exists(os.path.join(run['output_dir'], 'metrics.jsonl')):
             raise UsageError(f'--output-dir {run["output_dir"]} holds a run\'s metrics.jsonl: '
                              'choose another (harness/ resumes runs)')
-        agent = make_agent(config, given={**dict.fromkeys(applied, f"{config.env}'s settings"),
-                                          **dict.fromkeys(typed)})
-        check_grid(config, grid, agent.check_runs)
+        while True:  # an env setting the typed flags make inert is dropped (inert_setting)
+            config, grid = config_and_grid(config_cls, {**applied, **typed})
+            try:
+                agent = make_agent(config, given={
+                    **dict.fromkeys(applied, f"{config.env}'s settings"), **dict.fromkeys(typed)})
+                check_grid(config, grid, agent.check_runs)
+                break
+            except UsageError as error:
+                name = inert_setting(error, applied, typed)
+                if name is None:
+                    raise
+                dropped[name] = applied.pop(name)
     except UsageError as error:
         print(f'{prog}: error: {error}', file=sys.stderr, flush=True)
         sys.exit(2)
     print(f'{prog}: {HARNESS_ADDS}', file=sys.stderr, flush=True)
-    if applied:
-        print(f'{prog}: settings for {config.env}: {applied}')
+    if applied or dropped:
+        print(f'{prog}: settings for {config.env}: {applied}'
+              + (f'; not applied (inert with the flags given): {dropped}' if dropped else ''))
     return plain_run(agent, config, grid, **run)
 
 

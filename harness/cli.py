@@ -302,7 +302,6 @@ def _main(config_cls, make_agent, check_runs, prog, description, argv,
 
 
 _NAMED_FLAG = re.compile(r'--([a-z0-9-]+)')
-_INERT = re.compile(r'--[a-z0-9-]+ (?:acts with|acts on|has no effect|needs|takes effect)')
 
 
 def _checked_config(config_cls, make_agent, check_runs, args, applied):
@@ -330,11 +329,8 @@ def _checked_config(config_cls, make_agent, check_runs, args, applied):
                     return config, grid, dropped
             return config, grid, dropped
         except common.UsageError as error:
-            named = _NAMED_FLAG.match(str(error))
-            field = named and next((name for name in (named.group(1).replace('-', '_'),
-                                                      named.group(1).replace('-', '_') + '_')
-                                    if name in (applied or {})), None)
-            if not field or field in args.given or not _INERT.match(str(error)):
+            field = common.inert_setting(error, applied or {}, args.given)
+            if field is None:
                 raise
             dropped[field] = applied.pop(field)
             setattr(args, field, defaults[field])

@@ -90,3 +90,27 @@ def test_the_copy_refuses_with_the_command_lines_message(argv, tmp_path):
     assert plain.stderr.startswith('dqn.py: error: ')
     assert repo.stderr == plain.stderr and len(plain.stderr.splitlines()) == 1
     assert not os.path.exists(tmp_path / 'repo') and not os.path.exists(folder / 'runs')
+
+
+def test_the_copy_drops_an_env_setting_the_typed_flags_make_inert(tmp_path):
+    """MetaMaze-misc's actor_critic settings tune a GRU (--max-slice-length 200);
+    with `--torso mlp` typed, both command lines leave that setting out (it
+    cannot act) and run the rest, with the same numbers."""
+    folder = copied('actor_critic', tmp_path)
+    argv = ['--env', 'MetaMaze-misc', '--torso', 'mlp', '--epochs', '1', '--n-envs', '4',
+            '--n-interactions-per-epoch', '64', '--batch-size', '16', '--value-batch-size',
+            '16', '--train-steps-per-epoch', '2', '--value-train-steps-per-epoch', '2',
+            '--n-eval-episodes', '2', '--eval-steps', '20', '--hidden-sizes', '16']
+    plain = subprocess.run([sys.executable, 'actor_critic.py', *argv, '--output-dir', 'out'],
+                           cwd=folder, env=environment(), capture_output=True, text=True,
+                           timeout=600)
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    assert "not applied (inert with the flags given): {'max_slice_length': 200}" in plain.stdout
+    repo = subprocess.run([sys.executable, os.path.join(ROOT, 'actor_critic.py'), *argv,
+                           '--output-dir', str(tmp_path / 'repo'), '--no-tensorboard',
+                           '--compile-cache', 'none'],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert repo.returncode == 0, repo.stderr[-3000:]
+    assert 'not applied: --max-slice-length 200' in repo.stdout + repo.stderr
+    assert records(folder / 'out' / 'metrics.jsonl') == records(
+        tmp_path / 'repo' / 'metrics.jsonl')
