@@ -1,11 +1,7 @@
-"""What every algorithm file (dqn.py, pg.py, actor_critic.py) shares: Trax's
-advantage estimators and `remaining_evals`, gymnax envs by name, the MLP and
-conv networks, `multifactor` schedules, config fields and their checks, the
-`Agent` record, `run_sweep` (seeds x a grid in one compiled program) and the
-plain command line that runs an algorithm file copied with this one alone
-(harness/ adds checkpoints, resume, TensorBoard, processes). Importing this
-file compiles nothing.
-"""
+"""What dqn.py, pg.py and actor_critic.py share: Trax's advantage estimators and
+remaining_evals, gymnax envs, MLP and conv networks, multifactor schedules, config
+fields and their checks, run_sweep (seeds x a grid, one compiled program) and the
+plain command line of an algorithm file copied with this one alone."""
 
 import dataclasses
 import decimal
@@ -26,18 +22,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-# ---------------------------------------------------------------------------
-# Advantage estimators: trax/rl/advantages.py, same signatures and numerics,
-# rewritten with jnp/lax so they jit and vmap (Trax wrote into numpy arrays).
-# Every array is [batch, length]; a result is [batch, length - margin].
-# Inputs are checked with chex, as rlax does, while tracing: free at run time.
-# td_lambda and gae also have an associative_scan form for GPU/TPU (`scan`).
-# ---------------------------------------------------------------------------
+# Advantage estimators: trax/rl/advantages.py's signatures and numerics in jnp/lax,
+# so they jit and vmap. Arrays are [batch, length]; a result is [batch, length -
+# margin]. Inputs are checked with chex while tracing (free at run time), as rlax.
 
 
 def check_args(assertion, function, expected, **arrays):
-    """chex `assertion(array, expected)` on each keyword array; its message names
-    the argument that fails (chex's own numbers each call's inputs from 0)."""
+    """chex `assertion(array, expected)` on each keyword array, naming the one that fails."""
     for name, array in arrays.items():
         assertion(array, expected, custom_message=f'argument `{name}` of {function}')
 
@@ -51,8 +42,7 @@ def _check_estimator_inputs(function, rewards, returns, values, dones, discount_
 
 
 def mask_discount(discount, discount_mask):
-    """Per-step discount: `discount` (a scalar) where the mask is set, 1 elsewhere;
-    elementwise, so the mask may have any shape."""
+    """`discount` (a scalar) where the mask is set, 1 elsewhere (any shape)."""
     check_args(chex.assert_rank, 'mask_discount', 0, discount=discount)
     return jnp.where(discount_mask, discount, 1.0)
 
@@ -122,10 +112,8 @@ SCANS = ('auto', 'sequential', 'associative')
 
 
 def resolve_scan(scan):
-    """'auto' -> 'associative' on a GPU/TPU backend, 'sequential' on CPU: a lax.scan
-    is cheap on CPU but runs its steps one kernel after another on an accelerator
-    (rlax PR #168: 4.5x at batch x time 1024 x 16); the CPU keeps the sequential
-    form, so CPU results stay what they were."""
+    """'auto': 'associative' on GPU/TPU, where a lax.scan runs a kernel per step
+    (rlax PR #168: 4.5x at batch x time 1024 x 16), 'sequential' on CPU."""
     if scan not in SCANS:
         raise ValueError(f'scan must be one of {SCANS}, got {scan!r}')
     if scan == 'auto':
@@ -134,10 +122,8 @@ def resolve_scan(scan):
 
 
 def reverse_affine_scan(a, b):
-    """x[:, t] = a[:, t] * x[:, t + 1] + b[:, t] along axis 1, from the end (x
-    past the end is 0), in O(log length) depth: each step is the affine map
-    x -> a x + b, and maps compose associatively, earlier after later:
-    (a1, b1) o (a2, b2) = (a1 a2, a1 b2 + b1)."""
+    """x[:, t] = a[:, t] x[:, t + 1] + b[:, t], from the end (0 past it), in
+    O(log length) depth: affine maps compose, (a1, b1) o (a2, b2) = (a1 a2, a1 b2 + b1)."""
     def compose(later, earlier):  # reverse=True hands the later (accumulated) map first
         (a_later, b_later), (a_earlier, b_earlier) = later, earlier
         return a_earlier * a_later, a_earlier * b_later + b_earlier
@@ -220,9 +206,7 @@ def gae(gamma, margin, lambda_=0.95, scan='auto'):
     return estimator
 
 
-# ---------------------------------------------------------------------------
-# remaining_evals: trax/rl/training.py, unchanged.
-# ---------------------------------------------------------------------------
+# remaining_evals: trax/rl/training.py's, unchanged.
 
 
 def remaining_evals(cur_step, epoch, train_steps_per_epoch, evals_per_epoch):
@@ -249,10 +233,8 @@ class UsageError(ValueError):
 
 
 def check_precision():
-    """UsageError when JAX computes in 64 bits (JAX_ENABLE_X64=1, or
-    jax_enable_x64 set in code): every program here is written for float32 and
-    int32 (its carries, counters, checkpoints and bitwise resumes), and under
-    x64 its loops would mix int32 and int64 (a traceback deep in tracing)."""
+    """UsageError under jax_enable_x64: the programs, checkpoints and bitwise
+    resumes are float32 and int32 (x64 would mix int32 and int64 in the loops)."""
     if not jax.config.jax_enable_x64:
         return
     source = (f'JAX_ENABLE_X64={os.environ["JAX_ENABLE_X64"]} is set'
@@ -424,12 +406,9 @@ def init_conv(key, in_channels, channels, kernel=3, layer_norm=False):
 
 
 def conv(params, x, stride=1):
-    """init_conv's layers (each with its LayerNorm if any, then ReLU) on
-    [..., H, W, C] -> features [..., H' * W' * C']. As im2col: the k * k
-    shifted views (exact slices) side by side, then one matmul, a tenth of
-    `conv_general_dilated_patches`' time on XLA CPU and, unlike
-    `conv_general_dilated` (a grouped convolution once vmapped, whose kernel
-    gradient sums in another order for 8 runs than for 1), bitwise the same
+    """init_conv's layers on [..., H, W, C] -> features [..., H' * W' * C'], as
+    im2col (shifted slices, one matmul): a tenth of conv_general_dilated_patches'
+    time on XLA CPU and, unlike a vmapped conv_general_dilated, bitwise the same
     for a run alone, in a grid or sharded."""
     batch_shape = x.shape[:-3]
     x = x.reshape((-1,) + x.shape[-3:])
@@ -486,22 +465,16 @@ def init_network(key, obs_shape, hidden_sizes, n_outputs, torso='mlp',
 
 def network(params, obs, obs_shape):
     """Apply init_network's params to observations [..., *obs_shape] (float32)."""
-    return network_head(params, network_features(params, obs, obs_shape))
+    return mlp(*torso(params, obs, obs_shape))
 
 
-def network_features(params, obs, obs_shape):
-    """The features init_network's last layer reads (torso, then hidden layers)."""
+def torso(params, obs, obs_shape):
+    """(the MLP's layers, its input): conv features, or the observations flat."""
     obs = jnp.asarray(obs).astype(jnp.float32)
-    batch_shape = obs.shape[:obs.ndim - len(obs_shape)]
     if isinstance(params, dict) and 'conv' in params:
-        return mlp_hidden(params['mlp'], conv(params['conv'], obs))
-    return mlp_hidden(params, obs.reshape(batch_shape + (int(np.prod(obs_shape, dtype=int)),)))
-
-
-def network_head(params, features):
-    """init_network's last (linear) layer on network_features' output."""
-    last = (params['mlp'] if isinstance(params, dict) and 'conv' in params else params)[-1]
-    return features @ last['w'] + last['b']
+        return params['mlp'], conv(params['conv'], obs)
+    batch_shape = obs.shape[:obs.ndim - len(obs_shape)]
+    return params, obs.reshape(batch_shape + (int(np.prod(obs_shape, dtype=int)),))
 
 
 # Schedules: Trax's lr.multifactor in jnp, its values traceable per run ------
@@ -555,11 +528,9 @@ def multifactor(factors='constant * linear_warmup * rsqrt_decay', constant=0.1,
 
 
 def option(default, help, sweep=False, bounds=None, choices=None, aliases=()):
-    """A config field with its --help line and constraint. `sweep`: a comma list
-    is a grid over runs. `bounds`: an interval, '[1, inf)', '(0, 1]', for every
-    value (ints fit int32 anyway; floats are finite unless it closes on inf).
-    `choices`: the allowed strings, or a registry dict of them (live).
-    `aliases`: other flag names (Trax's, where ours differ)."""
+    """A config field with its --help line and constraint. `sweep`: a comma list is
+    a grid. `bounds`: '[1, inf)', '(0, 1]' (floats finite unless closed on inf).
+    `choices`: allowed strings or a registry dict. `aliases`: Trax's flag names."""
     if bounds is not None:
         Bounds.parse(bounds)  # a malformed interval fails at import, not at run time
     return dataclasses.field(default=default, metadata={
@@ -571,10 +542,8 @@ INT32_MAX = 2 ** 31 - 1  # counters and sizes live in int32 arrays
 
 
 def check_int32_products(products):
-    """UsageError naming the first product of flags past int32, the integers
-    the compiled program counts and indexes in (a counter that wraps, a size
-    JAX cannot take): `products` is [(what it counts, [(flag, value), ...])],
-    checked before anything is traced."""
+    """UsageError naming the first product past int32, which the program counts
+    and indexes in: `products` is [(what it counts, [(flag, value), ...])]."""
     for what, factors in products:
         value = math.prod(int(factor) for _, factor in factors)
         if value > INT32_MAX:
@@ -707,9 +676,8 @@ def _entry_error(field, kind, value):
 
 
 def check_fields(config, grid=None):
-    """Every field's type and declared constraint, on every value: the
-    config's, each entry of a tuple and each value of `grid` ({sweepable
-    field: [values]}). Raises UsageError naming the flag."""
+    """Every field's type and constraint on every value (tuple entries, `grid`'s
+    values): UsageError naming the flag."""
     check_grid_fields(config, grid)
     kinds = field_kinds(type(config))
     for field in dataclasses.fields(config):
@@ -758,8 +726,7 @@ def as_float32(value):
 
 
 def float32_values(config, grid):
-    """(config, grid) with every float (each tuple entry and sweep value) as
-    float32 holds it: the values the compiled program sees."""
+    """(config, grid) with every float as float32 holds it: what the program sees."""
     kinds = field_kinds(type(config))
 
     def cast(name, value):
@@ -772,11 +739,9 @@ def float32_values(config, grid):
 
 
 def check_grid(config, grid, check_runs):
-    """What the command line checks before compiling, for every caller: each
-    field's type and constraint (check_fields), then the algorithm's
-    cross-field rules on every run (`check_runs(config, runs)`); both again
-    on the values float32 holds, which may round onto a bound or out of
-    range (--gamma 0.99999999 is 1, --lr 1e300 inf): refused, naming them."""
+    """Each field's type and constraint, then the algorithm's cross-field rules
+    (`check_runs(config, runs)`), on the values given and on those float32 holds
+    (--gamma 0.99999999 is 1, --lr 1e300 inf): UsageError naming them."""
     def check(config, grid):
         check_fields(config, grid)
         check_runs(config, expand_runs(config, grid, 0, 1))
@@ -795,10 +760,9 @@ def check_grid(config, grid, check_runs):
 
 
 def check_inert(config, inert, given=None):
-    """Refuse a field that cannot act (`inert`: {field: why}) when it is set
-    away from its default: it would be saved and bind a resume while changing
-    nothing. `given`: the fields a command line set, {field: None if typed,
-    else where it came from (an env's settings)}; None (Python): every field."""
+    """Refuse a field that cannot act (`inert`: {field: why}) set off its default
+    (saved, it would bind a resume and change nothing). `given`: {field a command
+    line set: None if typed, else its source}; None (Python): every field."""
     defaults = {field.name: field.default for field in dataclasses.fields(config)}
     for name, why in inert.items():
         if (given is None or name in given) and getattr(config, name) != defaults[name]:
@@ -838,9 +802,8 @@ def shared_inert(config, torso, env_params):
 @dataclasses.dataclass
 class Agent:
     """An algorithm as pure per-run functions (hp: the run's hyperparameters):
-    init(key, hp) -> state; collect/train/evaluate(hp, state) -> (state,
-    metrics); `state.params` and `state.train_step` must exist. `spec`: the
-    static record make_agent derived, its module functions' first argument."""
+    init(key, hp) -> state (with .params, .train_step); collect/train/evaluate(hp,
+    state) -> (state, metrics). `spec`: the static record its functions take."""
     name: str
     init: typing.Callable
     collect: typing.Callable
@@ -855,8 +818,7 @@ class Agent:
     obs_shape: tuple = ()  # one observation's
 
     def batched(self, name):
-        """jit(vmap(phase `name`)) over a leading runs axis, made once per agent,
-        so each phase is traced once (memory estimate, metric shapes, chunk)."""
+        """jit(vmap(phase `name`)) over runs, made once per agent (traced once)."""
         cache = self.__dict__.setdefault('_batched', {})
         if name not in cache:
             cache[name] = jax.jit(jax.vmap(getattr(self, name)))
@@ -876,8 +838,8 @@ class Agent:
 
 
 def evaluation_key(state):
-    """The run's evaluation stream (split off at init, never advanced) folded
-    with the epoch: how often a run evaluates never changes how it trains."""
+    """The run's own evaluation stream folded with the epoch: how often a run
+    evaluates never changes how it trains."""
     return jax.random.fold_in(state.eval_key, state.epoch)
 
 
@@ -889,12 +851,9 @@ def eval_key(temperature, steps):
 
 
 def compiler_options(batch_invariant=True):
-    """XLA options for the compiled phases (CPU only; XLA_FLAGS wins). LLVM
-    level 2 halves the compile time for the same speed. `batch_invariant`
-    makes a run's numbers bitwise the same alone, in a grid or sharded: no
-    YNNPACK elementwise and reduction fusions (other kernels for another
-    number of runs; its matmuls are invariant and the fastest) and no
-    algebraic simplifier (it reassociates divisions in a sharded program)."""
+    """XLA options on CPU (XLA_FLAGS wins): LLVM level 2 halves compile time for
+    the same speed; `batch_invariant` keeps a run bitwise the same alone, in a
+    grid or sharded (no YNNPACK elementwise fusions, no algebraic simplifier)."""
     if jax.default_backend() != 'cpu':
         return None
     flags = os.environ.get('XLA_FLAGS', '')
@@ -955,12 +914,10 @@ def params_finite(params):
 
 
 def run_epochs(agent, length, hp, state, start, n, epochs, eval_every):
-    """Epochs start+1 .. start+n (n <= length) of every run in one compiled
-    loop: learn each epoch, evaluate the due ones (a `lax.cond` outside the
-    vmap). The ints are traced, so one program serves every chunk and any
-    split of a run into chunks gives bitwise the same numbers. -> (state,
-    metrics {name: [n_runs, length]}, NaN where not evaluated, finite
-    [n_runs, length]: were the parameters finite after each epoch)."""
+    """Epochs start+1 .. start+n (n <= length) of every run, one compiled loop;
+    the ints are traced, so one program serves any split into chunks, bitwise.
+    -> (state, metrics {name: [n_runs, length]} (NaN where not evaluated),
+    finite [n_runs, length]: were the parameters finite after each epoch)."""
     learn, evaluate = agent.batched('learn'), agent.batched('evaluate')
     learnt_shapes = jax.eval_shape(learn, hp, state)[1]
     eval_shapes = jax.eval_shape(evaluate, hp, state)[1]
@@ -986,12 +943,10 @@ def run_epochs(agent, length, hp, state, start, n, epochs, eval_every):
 
 def run_sweep(agent, config, seed=0, num_seeds=1, grid=None, epochs=None,
               batch_invariant=True):
-    """`num_seeds` seeds (seed, seed + 1, ...) x every point of `grid`
-    ({sweepable field: [values]}) for `epochs` (default config.epochs) in one
-    compiled program with the command line's XLA options: each run's numbers
-    are bitwise its metrics.jsonl's. `agent` is make_agent(config). ->
-    (runs: one dict per run, its seed and values; the final state [n_runs,
-    ...]; {metric: [epochs, n_runs]}, NaN in epochs not evaluated)."""
+    """Seeds seed.. x every point of `grid` ({sweepable field: [values]}) in one
+    compiled program, each run bitwise its metrics.jsonl; `agent` is make_agent(config).
+    -> (runs: a dict each, its seed and values; final state [n_runs, ...];
+    {metric: [epochs, n_runs]}, NaN in epochs not evaluated)."""
     check_precision()
     if config != agent.config:  # another config's agent would mix the two silently
         raise UsageError('run_sweep: `config` is not the one its agent was made from; '
@@ -1005,8 +960,7 @@ def run_sweep(agent, config, seed=0, num_seeds=1, grid=None, epochs=None,
 
 
 def compiled_runs(agent, config, grid, seed, num_seeds, length, batch_invariant=True):
-    """-> (runs, hp, initial state, run_epochs of `length` compiled) for
-    seeds x grid, with the command line's XLA options."""
+    """-> (runs, hp, initial state, run_epochs of `length` compiled) for seeds x grid."""
     runs = expand_runs(config, grid or {}, seed, num_seeds)
     hp, keys = hyperparameters(config, runs), run_keys(runs)
     options = compiler_options(batch_invariant)
@@ -1180,9 +1134,8 @@ def plain_main(config_cls, make_agent, settings, argv=None, mode_field=None):
 
 
 def plain_run(agent, config, grid, seed, num_seeds, output_dir):
-    """Seeds x grid in the full command line's compiled programs (init, then
-    chunks of epochs, each up to the next evaluation), a progress line per
-    chunk; metrics.jsonl rewritten atomically after each. -> the last metrics."""
+    """Seeds x grid in the command line's compiled programs, a chunk of epochs up
+    to each evaluation; metrics.jsonl rewritten atomically after each chunk."""
     length, period = min(CHUNK_EPOCHS, config.epochs), evaluation_period(config)
     runs, hp, state, chunk = compiled_runs(agent, config, grid, seed, num_seeds, length)
     output_dir = output_dir or os.path.join(

@@ -50,7 +50,8 @@ def network_head(params, features):
     network's: on its GRU state)."""
     if is_recurrent(params):
         return flat_matmul(features, params['head'][-1]['w']) + params['head'][-1]['b']
-    return common.network_head(params, features)
+    last = (params['mlp'] if isinstance(params, dict) and 'conv' in params else params)[-1]
+    return features @ last['w'] + last['b']
 
 
 def flat_matmul(x, weights):
@@ -275,7 +276,7 @@ def features_of(spec, net, obs, memory=None):
     x = observe(spec, obs)
     if spec.gru_size:
         return recurrent_features(net, x, spec.obs_shape, *memory)[0]
-    return common.network_features(net, x, spec.obs_shape)
+    return common.mlp_hidden(*common.torso(net, x, spec.obs_shape))
 
 
 def policy_and_features(spec, params, obs, memory=None):

@@ -773,7 +773,7 @@ def test_conv_in_chunks_is_the_whole_batch_bitwise():
 
     def whole(p, obs):  # conv_layers on the batch in one piece, then the MLP
         features = common.conv_layers(p['conv'], obs).reshape(obs.shape[0], -1)
-        return common.network_head(p, common.mlp_hidden(p['mlp'], features))
+        return common.mlp(p['mlp'], features)
     got = jax.jit(jax.vmap(lambda p, obs: common.network(p, obs, obs_shape)))(runs, x)
     want = jax.jit(jax.vmap(whole))(runs, x)
     assert got.shape == (2, n, 2)
