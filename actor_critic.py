@@ -37,6 +37,7 @@ if __name__ == '__main__':  # a Ctrl-C during the imports: held for main's one l
     except ImportError:  # copied without harness/: common.plain_main runs it
         pass
 
+import contextlib
 import dataclasses
 import functools
 import sys
@@ -809,7 +810,10 @@ def policy_step(spec, hp, data, minibatch, state, i):
         objective, params = joint_objective, {'policy': state.params, 'value': state.value_params}
     else:
         objective, params = policy_objective, state.params
-    grads, metrics = jax.grad(functools.partial(objective, spec), has_aux=True)(params, batch, hp)
+    with (common.transposed_weight_gradients() if spec.config.joint
+          else contextlib.nullcontext()):  # --joint's numbers only: see common.dense
+        grads, metrics = jax.grad(functools.partial(objective, spec), has_aux=True)(
+            params, batch, hp)
     grads = clip_by_global_norm(grads, hp['max_grad_norm'])
     updates, opt_state = optimizer(spec, hp).update(grads, state.opt_state, params)
     params = optax.apply_updates(params, updates)

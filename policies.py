@@ -57,7 +57,7 @@ def flat_matmul(x, weights):
     """x [..., n] @ weights [n, m] as one [N, n] matmul: a sequence's [B, L, n]
     as is rounds its gradient differently for one run than for several in a
     vmapped grid on XLA CPU; flattened, a run's numbers stay its own."""
-    return (x.reshape(-1, x.shape[-1]) @ weights).reshape(x.shape[:-1] + (-1,))
+    return common.dense(x.reshape(-1, x.shape[-1]), weights).reshape(x.shape[:-1] + (-1,))
 
 
 # ---------------------------------------------------------------------------
