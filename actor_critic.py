@@ -693,10 +693,14 @@ def advantages_of(spec, hp, value_params, replay):
     if spec.policy.gru_size:
         values, final_values, last_values = jax.tree.map(
             lambda v: scale * v, recurrent_values(spec, value_params, rollout))
-    else:
-        values = scale * value_net(spec, value_params, rollout.obs)
-        final_values = scale * value_net(spec, value_params, rollout.final_obs)
-        last_values = scale * value_net(spec, value_params, rollout.last_obs)
+    else:  # one pass over V(s), V(final_obs), V(last_obs): fewer, larger programs
+        steps = lambda x: x.reshape((-1,) + x.shape[2:])  # noqa: E731  rows -> steps
+        n = rollout.reward.size
+        every = scale * value_net(spec, value_params, jnp.concatenate(
+            [steps(rollout.obs), steps(rollout.final_obs), rollout.last_obs]))
+        values, final_values = (v.reshape(rollout.reward.shape) for v in (every[:n],
+                                                                          every[n:2 * n]))
+        last_values = every[2 * n:]
     reward = bootstrapped_rewards(rollout.reward, rollout.terminated, rollout.truncated,
                                   final_values, hp['gamma'])
     done = rollout.terminated | rollout.truncated
