@@ -37,6 +37,7 @@ if __name__ == '__main__':  # a Ctrl-C during the imports: held for main's one l
     except ImportError:  # copied without harness/: common.plain_main runs it
         pass
 
+import contextlib
 import dataclasses
 import functools
 import sys
@@ -692,10 +693,14 @@ def advantages_of(spec, hp, value_params, replay):
     if spec.policy.gru_size:
         values, final_values, last_values = jax.tree.map(
             lambda v: scale * v, recurrent_values(spec, value_params, rollout))
-    else:
-        values = scale * value_net(spec, value_params, rollout.obs)
-        final_values = scale * value_net(spec, value_params, rollout.final_obs)
-        last_values = scale * value_net(spec, value_params, rollout.last_obs)
+    else:  # one pass over V(s), V(final_obs), V(last_obs): fewer, larger programs
+        steps = lambda x: x.reshape((-1,) + x.shape[2:])  # noqa: E731  rows -> steps
+        n = rollout.reward.size
+        every = scale * value_net(spec, value_params, jnp.concatenate(
+            [steps(rollout.obs), steps(rollout.final_obs), rollout.last_obs]))
+        values, final_values = (v.reshape(rollout.reward.shape) for v in (every[:n],
+                                                                          every[n:2 * n]))
+        last_values = every[2 * n:]
     reward = bootstrapped_rewards(rollout.reward, rollout.terminated, rollout.truncated,
                                   final_values, hp['gamma'])
     done = rollout.terminated | rollout.truncated
@@ -809,7 +814,10 @@ def policy_step(spec, hp, data, minibatch, state, i):
         objective, params = joint_objective, {'policy': state.params, 'value': state.value_params}
     else:
         objective, params = policy_objective, state.params
-    grads, metrics = jax.grad(functools.partial(objective, spec), has_aux=True)(params, batch, hp)
+    with (common.transposed_weight_gradients() if spec.config.joint
+          else contextlib.nullcontext()):  # --joint's numbers only: see common.dense
+        grads, metrics = jax.grad(functools.partial(objective, spec), has_aux=True)(
+            params, batch, hp)
     grads = clip_by_global_norm(grads, hp['max_grad_norm'])
     updates, opt_state = optimizer(spec, hp).update(grads, state.opt_state, params)
     params = optax.apply_updates(params, updates)

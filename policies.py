@@ -51,14 +51,14 @@ def network_head(params, features):
     if is_recurrent(params):
         return flat_matmul(features, params['head'][-1]['w']) + params['head'][-1]['b']
     last = (params['mlp'] if isinstance(params, dict) and 'conv' in params else params)[-1]
-    return features @ last['w'] + last['b']
+    return common.dense(features, last['w']) + last['b']
 
 
 def flat_matmul(x, weights):
     """x [..., n] @ weights [n, m] as one [N, n] matmul: a sequence's [B, L, n]
     as is rounds its gradient differently for one run than for several in a
     vmapped grid on XLA CPU; flattened, a run's numbers stay its own."""
-    return (x.reshape(-1, x.shape[-1]) @ weights).reshape(x.shape[:-1] + (-1,))
+    return common.dense(x.reshape(-1, x.shape[-1]), weights).reshape(x.shape[:-1] + (-1,))
 
 
 # ---------------------------------------------------------------------------
