@@ -8,21 +8,19 @@ already set in XLA_FLAGS wins.
 
 import os
 
-import pytest
-
 _flags = os.environ.get('XLA_FLAGS', '')
 if '--xla_backend_optimization_level' not in _flags:
     os.environ['XLA_FLAGS'] = (_flags + ' --xla_backend_optimization_level=0').strip()
 
 
-# Scheduling only (pytest.ini: -n 2 --dist loadgroup --no-loadscope-reorder):
-# xdist hands tests (or the groups below) to the two workers in collection
-# order, one at a time as each frees up, so the long tests go first (longest
-# first) and the short ones fill in at the end, where they keep both workers
-# busy until the last test. The figures are seconds per test (its slowest
-# parametrization, 6 s or more) of a full run on 2 busy cores (load 4-5); only
-# their order matters. A name missing here, or a stale figure, changes where a
-# test runs, never what it checks.
+# Scheduling only (pytest.ini: -n 2 --maxschedchunk 1): xdist hands tests to
+# the two workers in collection order, one at a time as each frees up, so the
+# modules with the longest tests go first, their longest first, and the short
+# ones fill in at the end, where they keep both workers busy until the last
+# test. The figures are seconds per test (its slowest parametrization, 6 s or
+# more) of a full run on 2 busy cores (load 4-5); only their order matters. A
+# name missing here, or a stale figure, changes where a test runs, never what
+# it checks.
 SLOW_FIRST = {
     'test_distributed.py::test_kill_9_of_one_process_then_rerun_resumes_bitwise': 54,
     'test_distributed.py::test_two_processes_equal_one_process': 44,
@@ -103,46 +101,12 @@ def _seconds(item):
     return SLOW_FIRST.get(f'{module}::{item.originalname}', 0)
 
 
-
-
-# Tests that share a module- or session-scoped fixture of a test file (a
-# trained run, a reference run) go to one worker together (pytest.ini:
-# --dist loadgroup), so that fixture is computed once in the session, not once
-# per worker. The reference runs (a dict filled per algo on first use), like
-# the compile cache dirs, are shared by a module's tests of one `algo`: those
-# form one group per module and algo, so each script's sizes compile once.
-# From the suite branch (b2e3569, f1f3ef2); there xdist ordered the groups by
-# their number of tests, here they keep the slow-first order above
-# (--no-loadscope-reorder): a group goes where its slowest test is.
-CHEAP_FIXTURES = {'cache_dir', 'cache'}  # a temp dir: nothing to compute
-
-
-def _shared_fixture_group(item):
-    info = getattr(item, '_fixtureinfo', None)
-    if info is None:
-        return None
-    names = []
-    for name in item.fixturenames:
-        defs = info.name2fixturedefs.get(name)
-        if not defs or name in CHEAP_FIXTURES:
-            continue
-        fixturedef = defs[-1]
-        if fixturedef.scope not in ('module', 'session'):
-            continue
-        source = getattr(fixturedef.func, '__module__', '') or ''
-        if not source.startswith(('test_', 'tests.')):
-            continue  # pytest's own (tmp_path_factory ...)
-        names.append(name)
-    module = item.module.__name__
-    algo = getattr(getattr(item, 'callspec', None), 'params', {}).get('algo')
-    if algo and isinstance(algo, str) and (names or CHEAP_FIXTURES & set(item.fixturenames)):
-        return f"{module}-{algo}"
-    return f'{module}-' + '-'.join(sorted(names)) if names else None
-
-
 def pytest_collection_modifyitems(config, items):
-    items.sort(key=lambda item: -_seconds(item))  # stable: otherwise collection order
+    # A module's tests stay together (a worker that left a module and came back
+    # would set its module fixtures up again): the modules by their slowest
+    # test, then within each module its slowest tests first.
+    weight = {}
     for item in items:
-        group = _shared_fixture_group(item)
-        if group and not any(True for _ in item.iter_markers('xdist_group')):
-            item.add_marker(pytest.mark.xdist_group(group))
+        weight[item.module.__name__] = max(weight.get(item.module.__name__, 0), _seconds(item))
+    items.sort(key=lambda item: (-weight[item.module.__name__], item.module.__name__,
+                                 -_seconds(item)))  # stable: otherwise collection order
