@@ -1,7 +1,10 @@
 """README.md's commands work: every `python dqn.py|pg.py|actor_critic.py ...`
-line of its code blocks runs, in order, in one fresh working directory, and
-exits 0 (or 2 where the line is marked `exits 2`); its "Use from Python"
-block runs (with 2 epochs) and prints one line per run.
+line of its code blocks runs and exits 0 (or 2 where the line is marked
+`exits 2`); its "Use from Python" block runs (with 2 epochs) and prints one
+line per run. The lines naming one --output-dir run in order, in one fresh
+working directory, as one test (a later one resumes or refuses the run an
+earlier one made); every other line, which writes no run, is its own test in
+its own fresh working directory, so the lines spread over the workers.
 
 To keep this fast, a line that creates a run gets small sizes appended (the
 ones tests/test_reliability.py uses, fewer DQN gradient steps) and `--epochs 2`; a line that resumes a
@@ -77,8 +80,35 @@ def test_readme_has_the_commands_this_test_runs():
     assert ['--output-dir', 'runs/breakout', '--only-eval'] in resumes
 
 
-def test_readme_commands_run(cache_dir, tmp_path):  # noqa: F811
-    for script, argv, status in readme_commands():
+def output_dir(argv):
+    return argv[argv.index('--output-dir') + 1] if '--output-dir' in argv else None
+
+
+def command_chains():
+    """README's commands, in order, as chains: all the lines naming one
+    --output-dir (in README's order), or one line naming none."""
+    chains = {}
+    for index, (script, argv, status) in enumerate(readme_commands()):
+        chains.setdefault(output_dir(argv) or index, []).append((index, script, argv, status))
+    return list(chains.values())
+
+
+def chain_id(chain):
+    index, script, argv, _ = chain[0]
+    return f'cmd{index:02d}-{script[:-3]}' + (f'+{len(chain) - 1}' if len(chain) > 1 else '')
+
+
+def test_the_chains_hold_every_command_once_in_order():
+    chains = command_chains()
+    assert sorted(i for chain in chains for i, *_ in chain) == list(range(len(readme_commands())))
+    assert all([i for i, *_ in chain] == sorted(i for i, *_ in chain) for chain in chains)
+    breakout = [chain for chain in chains if output_dir(chain[0][2]) == 'runs/breakout']
+    assert len(breakout) == 1 and len(breakout[0]) == 4, breakout
+
+
+@pytest.mark.parametrize('chain', command_chains(), ids=chain_id)
+def test_readme_commands_run(chain, cache_dir, tmp_path):  # noqa: F811
+    for _, script, argv, status in chain:
         argv = small(script, argv, str(tmp_path))
         command = [sys.executable, os.path.join(ROOT, script), '--quiet',
                    '--compile-cache', cache_dir, *argv]
@@ -87,10 +117,11 @@ def test_readme_commands_run(cache_dir, tmp_path):  # noqa: F811
         assert result.returncode == status, (shlex.join([script, *argv]), result.stderr[-2000:])
         if status == 2:
             assert len(result.stderr.strip().splitlines()) == 1, result.stderr
-    breakout = tmp_path / 'runs' / 'breakout'
-    assert (breakout / 'eval.jsonl').exists()
-    assert sorted(os.listdir(breakout / 'tb')) == ['seed=0']
-    assert '"epochs": 3' in open(breakout / 'summary.json').read()
+    if output_dir(chain[0][2]) == 'runs/breakout':
+        breakout = tmp_path / 'runs' / 'breakout'
+        assert (breakout / 'eval.jsonl').exists()
+        assert sorted(os.listdir(breakout / 'tb')) == ['seed=0']
+        assert '"epochs": 3' in open(breakout / 'summary.json').read()
 
 
 def python_block():
