@@ -747,6 +747,8 @@ def _run_chunk(run, phases, state, start, n):
     chunk_start = time.time()
     state, metrics, finite = phases['chunk'](run.hp, state, _plan(run, start, n))
     metrics, finite = _real_rows(run, devices.gather((metrics, finite)))  # waits for the chunk
+    if _signals.pending is not None:  # done: one more Ctrl-C has no chunk left to abandon
+        _signals.stopping = True  # (raised in the save, it would end in a traceback)
     seconds = (time.time() - chunk_start) / n
     evaluated = {common.eval_key(*tag) for tag in run.agent.eval_tags}
     epochs = []
