@@ -259,6 +259,7 @@ def _main(config_cls, make_agent, check_runs, prog, description, argv,
     args, args.given, env_settings = flags.parse(parser, argv, env_settings)
     try:
         common.check_precision()  # JAX_ENABLE_X64: before any value is checked or traced
+        devices.use_cpu_devices(getattr(args, 'cpu_devices', None))  # before JAX starts
     except common.UsageError as error:
         parser.error(str(error))
     applied = flags.apply_env_settings(config_cls, args, env_settings, settings_mode_field)
@@ -637,8 +638,9 @@ def _check_saved_config(run):
     return saved
 
 
-# Observations up to this many values: sharded results are bitwise those of
-# one device (tested on CartPole's 4); wider ones were seen to differ (README).
+# Observations up to this many values: a run's numbers are bitwise the same
+# whatever the number of runs a device computes (tested on CartPole's 4); with
+# wider ones they depend on it (docs/usage.md), so on the number of devices.
 BITWISE_OBS_SIZE = 4
 
 
@@ -652,9 +654,10 @@ def _check_same_devices(run, saved_devices):
         return
     raise common.UsageError(
         f'{run.output_dir} was run on {saved_devices} device(s), this run would use {now}: '
-        f'with {obs_size} observation values the sharded program differs from one device in '
-        f'the last bits (README, sharding); resume on {saved_devices} device(s)'
-        + (' (--device 0 for one)' if saved_devices == 1 else ''))
+        f'with {obs_size} observation values the numbers depend on the runs per device in '
+        f'the last bits (docs/usage.md, sharding); resume on {saved_devices} device(s)'
+        + (' (--device 0 for one)' if saved_devices == 1 else
+           f' (--cpu-devices {saved_devices} on CPU)'))
 
 
 def _compile_phases(run, args):
@@ -677,15 +680,12 @@ def _compile_phases(run, args):
 def _compiled(run, function, *example):
     """`function` of batched arguments, compiled with every leaf of every input
     and output [n_runs, ...] on the run's sharding."""
-    sharding = run.sharding
-    if isinstance(sharding, jax.sharding.NamedSharding):
-        # Each device runs the same vmapped program on its slice of runs, so
-        # results are bitwise those of one device (GSPMD's rewrite is not).
-        function = jax.shard_map(function, mesh=sharding.mesh,
-                                 in_specs=(sharding.spec,) * len(example),
-                                 out_specs=sharding.spec, check_vma=False)
     options = common.compiler_options(run.batch_invariant)
-    return jax.jit(function, in_shardings=sharding, out_shardings=sharding).lower(
+    if isinstance(run.sharding, jax.sharding.NamedSharding):
+        # Each device runs its own copy of the one-device program on its rows:
+        # bitwise that of one device (an SPMD-partitioned program is not).
+        return devices.PerDevice(function, example, run.sharding, options)
+    return jax.jit(function, in_shardings=run.sharding, out_shardings=run.sharding).lower(
         *example).compile(compiler_options=options)
 
 

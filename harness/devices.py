@@ -164,6 +164,21 @@ def check_process_flags(args):
                          'with the process flags (runs are sharded over every process)')
 
 
+def use_cpu_devices(n):
+    """--cpu-devices N: JAX's CPU backend as N devices (jax_num_cpu_devices),
+    set before the backend starts; UsageError if it started with another count."""
+    if n is None:
+        return
+    from jax._src import xla_bridge  # whether the backends have started: no public API
+    if not xla_bridge.backends_are_initialized():
+        jax.config.update('jax_num_cpu_devices', n)
+        return
+    started = len(jax.devices('cpu'))
+    if started != n:
+        raise common.UsageError(f'--cpu-devices {n}: JAX\'s CPU backend already runs with '
+                                f'{started} device(s) in this process')
+
+
 def start_processes(args, prog):
     """jax.distributed.initialize from the flags; must run before any JAX
     computation. Waits at most --coordinator-timeout seconds for all processes
@@ -372,6 +387,39 @@ def _run_sharding(n_runs, device):
         return jax.sharding.SingleDeviceSharding(devices[0])
     mesh = jax.sharding.Mesh(np.array(devices), ('runs',))
     return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec('runs'))
+
+
+class PerDevice:
+    """`function` of [n_runs, ...] pytrees, compiled for each of this
+    process's devices of `sharding` on its rows of the runs axis, and called
+    on all of them at once (dispatch is asynchronous, so the devices run
+    side by side). The devices never talk to one another, so each computes
+    exactly the program one device would for its runs."""
+
+    def __init__(self, function, example, sharding, options):
+        self.sharding = sharding
+        self.n_devices = len(sharding.device_set)
+        self.devices = sorted(sharding.addressable_devices, key=lambda device: device.id)
+        jitted = jax.jit(function)
+        self.compiled = [jitted.lower(*jax.tree.map(lambda leaf: self._shard_shape(leaf, device),
+                                                    example)).compile(compiler_options=options)
+                         for device in self.devices]
+
+    def _shard_shape(self, leaf, device):
+        shape = (leaf.shape[0] // self.n_devices,) + tuple(leaf.shape[1:])
+        return jax.ShapeDtypeStruct(shape, leaf.dtype,
+                                    sharding=jax.sharding.SingleDeviceSharding(device))
+
+    def __call__(self, *args):
+        shards = [{shard.device: shard.data for shard in leaf.addressable_shards}
+                  for leaf in jax.tree.leaves(args)]
+        treedef = jax.tree.structure(args)
+        outputs = [compiled(*jax.tree.unflatten(treedef, [leaf[device] for leaf in shards]))
+                   for compiled, device in zip(self.compiled, self.devices)]
+        def whole(*pieces):
+            shape = (pieces[0].shape[0] * self.n_devices,) + tuple(pieces[0].shape[1:])
+            return jax.make_array_from_single_device_arrays(shape, self.sharding, list(pieces))
+        return jax.tree.map(whole, *outputs)
 
 
 def lone_run_padding(n_runs, sharding, batch_invariant):

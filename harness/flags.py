@@ -148,6 +148,11 @@ def _add_run_flags(parser):
     run.add_argument('--device', default=None,
                      type=_flag_parser(int, False, True, False, '--device'),
                      help='run on this one device index (default: shard runs over all)')
+    run.add_argument('--cpu-devices', default=None, metavar='N',
+                     type=_flag_parser(int, False, True, False, '--cpu-devices'),
+                     help='CPU: split the host into N JAX devices, so the runs are sharded '
+                          'over N cores; each device computes the one-device program on its '
+                          'runs, bitwise the same numbers (default: JAX\'s, one CPU device)')
     run.add_argument('--time-limit', default=None, metavar='SECONDS',
                      type=_flag_parser(float, False, True, False, '--time-limit'),
                      help='stop after the last epoch that ends within SECONDS of the start '
@@ -365,4 +370,7 @@ def check_run_flags(args):
     timeout = getattr(args, 'coordinator_timeout', 60.0)
     if not 1 <= timeout <= 86400:
         raise common.UsageError(f'--coordinator-timeout must be in [1, 86400] seconds, got {common.show_float(timeout)}')
+    cpu_devices = getattr(args, 'cpu_devices', None)
+    if cpu_devices is not None and not 1 <= cpu_devices <= 4096:
+        raise common.UsageError(f'--cpu-devices must be in [1, 4096], got {cpu_devices}')
     devices.check_process_flags(args)

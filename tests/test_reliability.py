@@ -362,6 +362,9 @@ CONSTRAINT_CLASSES = [
     ('pg', ['--gamma', '0.9,0'], '--gamma must be in (0, 1]'),
     ('dqn', ['--num-seeds', '0'], '--num-seeds must be >= 1'),  # run flags
     ('pg', ['--seed', '-1'], '--seed must be in [0,'),
+    ('dqn', ['--cpu-devices', '0'], '--cpu-devices must be in [1, 4096]'),
+    # in this test process JAX's CPU backend has started with one device
+    ('actor_critic', ['--cpu-devices', '3'], "--cpu-devices 3: JAX's CPU backend already runs"),
 ]
 
 

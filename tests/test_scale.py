@@ -139,6 +139,30 @@ def test_sharded_over_four_devices_matches_one_device(cache_dir, tmp_path):
     assert_same_runs(sharded[0], sharded[2], single[0], single[2])
 
 
+def test_cpu_devices_two_matches_one_device(cache_dir, tmp_path):
+    """--cpu-devices 2: the runs split over two CPU devices, each computing the
+    one-device program on its runs, = all runs on one device, bitwise. PPO
+    --joint on PureJaxRL's CartPole shapes, where the SPMD-partitioned program
+    (shard_map) differed from epoch 2."""
+    outs = {}
+    for name, extra in (('two', ['--cpu-devices', '2']), ('one', [])):
+        outs[name] = str(tmp_path / name)
+        command = [sys.executable, os.path.join(ROOT, 'actor_critic.py'), '--joint',
+                   '--num-seeds', '4', '--n-envs', '4', '--n-interactions-per-epoch', '512',
+                   '--epochs', '3', '--train-steps-per-epoch', '16', '--batch-size', '128',
+                   '--value-loss-coeff', '0.5', '--max-grad-norm', '0.5', '--lambda', '0.95',
+                   '--advantage-estimator', 'gae', '--added-policy-slice-length', '128',
+                   '--scale-value-targets', '--quiet', '--compile-cache', cache_dir,
+                   '--output-dir', outs[name], *extra]
+        result = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=300)
+        assert result.returncode == 0, result.stderr
+    two, one = results(outs['two']), results(outs['one'])
+    header, _ = rundir._read_checkpoint(os.path.join(outs['two'], 'checkpoint.npz'))
+    assert header['metadata']['devices'] == 2
+    assert two[1] == one[1]
+    assert_same_runs(two[0], two[2], one[0], one[2])
+
+
 def test_plot_writes_a_png(cache_dir, tmp_path):
     out = str(tmp_path / 'plot')
     dqn.main([*TINY, '--compile-cache', cache_dir, '--output-dir', out, '--num-seeds', '2',
