@@ -169,6 +169,8 @@ def use_cpu_devices(n):
     set before the backend starts; UsageError if it started with another count."""
     if n is None:
         return
+    if not 1 <= n <= 4096:
+        raise common.UsageError(f'--cpu-devices must be in [1, 4096], got {n}')
     from jax._src import xla_bridge  # whether the backends have started: no public API
     if not xla_bridge.backends_are_initialized():
         jax.config.update('jax_num_cpu_devices', n)

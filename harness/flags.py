@@ -370,7 +370,4 @@ def check_run_flags(args):
     timeout = getattr(args, 'coordinator_timeout', 60.0)
     if not 1 <= timeout <= 86400:
         raise common.UsageError(f'--coordinator-timeout must be in [1, 86400] seconds, got {common.show_float(timeout)}')
-    cpu_devices = getattr(args, 'cpu_devices', None)
-    if cpu_devices is not None and not 1 <= cpu_devices <= 4096:
-        raise common.UsageError(f'--cpu-devices must be in [1, 4096], got {cpu_devices}')
     devices.check_process_flags(args)

@@ -140,16 +140,18 @@ def test_sharded_over_four_devices_matches_one_device(cache_dir, tmp_path):
 
 
 def test_cpu_devices_two_matches_one_device(cache_dir, tmp_path):
-    """--cpu-devices 2: the runs split over two CPU devices, each computing the
-    one-device program on its runs, = all runs on one device, bitwise. PPO
-    --joint on PureJaxRL's CartPole shapes, where the SPMD-partitioned program
-    (shard_map) differed from epoch 2."""
+    """--cpu-devices 2: 4 runs split over two CPU devices, each computing the
+    one-device program on its 2 runs; seeds 0-1 are bitwise those of the same
+    2 seeds run on one device (which loads that program from the cache). PPO
+    --joint on PureJaxRL's CartPole shapes, where the SPMD-partitioned
+    program (shard_map) differed from one device from epoch 2."""
     outs = {}
-    for name, extra in (('two', ['--cpu-devices', '2']), ('one', [])):
+    for name, extra in (('two', ['--cpu-devices', '2', '--num-seeds', '4']),
+                        ('one', ['--num-seeds', '2'])):
         outs[name] = str(tmp_path / name)
         command = [sys.executable, os.path.join(ROOT, 'actor_critic.py'), '--joint',
-                   '--num-seeds', '4', '--n-envs', '4', '--n-interactions-per-epoch', '512',
-                   '--epochs', '3', '--train-steps-per-epoch', '16', '--batch-size', '128',
+                   '--n-envs', '4', '--n-interactions-per-epoch', '512', '--epochs', '3',
+                   '--train-steps-per-epoch', '16', '--batch-size', '128',
                    '--value-loss-coeff', '0.5', '--max-grad-norm', '0.5', '--lambda', '0.95',
                    '--advantage-estimator', 'gae', '--added-policy-slice-length', '128',
                    '--scale-value-targets', '--quiet', '--compile-cache', cache_dir,
@@ -160,7 +162,9 @@ def test_cpu_devices_two_matches_one_device(cache_dir, tmp_path):
     header, _ = rundir._read_checkpoint(os.path.join(outs['two'], 'checkpoint.npz'))
     assert header['metadata']['devices'] == 2
     assert two[1] == one[1]
-    assert_same_runs(two[0], two[2], one[0], one[2])
+    assert_same_runs([r for r in two[0] if r['run'] < 2], [leaf[:2] for leaf in two[2]],
+                     one[0], one[2])
+    assert any(not np.array_equal(leaf[:2], leaf[2:]) for leaf in two[2])  # runs differ
 
 
 def test_plot_writes_a_png(cache_dir, tmp_path):
