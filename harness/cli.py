@@ -228,8 +228,13 @@ def _in_finaliser(frame):
 
 
 def config_differences(saved, current):
-    return sorted(name for name in set(saved) | set(current)
-                  if name not in HARMLESS_FIELDS and saved.get(name) != current.get(name))
+    differing = sorted(name for name in set(saved) | set(current)
+                       if name not in HARMLESS_FIELDS and saved.get(name) != current.get(name))
+    if not any(flags.decays_linearly(config) for config in (saved, current)):
+        # --lr-decay-epochs acts on linear_decay alone; runs saved before it was
+        # left unpinned without that factor hold --epochs there, harmlessly
+        differing = [name for name in differing if name != 'lr_decay_epochs']
+    return differing
 
 
 def main(config_cls, make_agent, check_runs, prog, description, argv=None,
@@ -482,10 +487,8 @@ def _set_up(make_agent, config, grid, args, prog):
     devices.check_same_flags(args)
     runs = common.expand_runs(config, grid, args.seed, args.num_seeds)
     # make_agent checks the config, the env and the fields that cannot act.
-    try:
-        agent = make_agent(config, given=getattr(args, 'set_fields', getattr(args, 'given', set())))
-    except common.UsageError as error:
-        raise common.UsageError(_with_source(str(error), args)) from None
+    # (a refusal says where its value came from: run_experiment adds that)
+    agent = make_agent(config, given=getattr(args, 'set_fields', getattr(args, 'given', set())))
     sharding = devices._run_sharding(len(runs), args.device)
     pad = devices.lone_run_padding(len(runs), sharding, getattr(args, 'batch_invariant', True))
     hp = _pad_rows(common.hyperparameters(config, runs), pad)

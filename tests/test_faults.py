@@ -883,14 +883,73 @@ def test_a_refusal_says_which_value_came_from_the_saved_run(tmp_path, capsys):
     status, err = run_main(actor_critic.main, ['--output-dir', out, '--torso', 'mlp'], 'none',
                            capsys, small=['--quiet'])
     assert status == 2
-    one_line(err, '--max-slice-length acts with --torso gru only',
-             f'(--max-slice-length 200 is from the run saved in {out}, not the command line)')
+    line = one_line(err, '--max-slice-length acts with --torso gru only',
+                    f'(--max-slice-length 200 is from the run saved in {out}, not the command line)')
+    assert line.count('is from the run saved in') == 1
     assert open(os.path.join(out, 'checkpoint.npz'), 'rb').read() == before
 
 
 # ---------------------------------------------------------------------------
 # 15. Resume and evaluation edges (issue 37, class 9)
 # ---------------------------------------------------------------------------
+
+
+# Every schedule form resumes (issue 53, item 1): the command line pinned
+# --lr-decay-epochs for every run, and a schedule without linear_decay then
+# refused that pinned value as a field set to no effect on every resume.
+SCHEDULES = ['constant', 'constant * linear_decay', 'constant * linear_warmup * rsqrt_decay',
+             'constant * decay_every']
+SMALL_OF = {'dqn': SMALL,
+            'pg': ['--n-trajectories-per-epoch', '2', '--n-eval-episodes', '2',
+                   '--hidden-sizes', '8', '--no-tensorboard', '--quiet'],
+            'actor_critic': ['--n-envs', '4', '--n-interactions-per-epoch', '32',
+                             '--batch-size', '16', '--train-steps-per-epoch', '2',
+                             '--value-train-steps-per-epoch', '2', '--n-eval-episodes', '2',
+                             '--hidden-sizes', '8', '--no-tensorboard', '--quiet']}
+
+
+@pytest.mark.parametrize('schedule', SCHEDULES)
+@pytest.mark.parametrize('name', ['dqn', 'pg', 'actor_critic'])
+def test_a_run_of_every_schedule_form_resumes_and_evaluates(name, schedule, cache_dir, tmp_path,
+                                                           capsys):
+    import importlib
+    main = importlib.import_module(name).main
+    out = str(tmp_path / 'run')
+    first = ['--lr-schedule', schedule, '--epochs', '1', '--output-dir', out]
+    if 'linear_decay' in schedule:  # its horizon is pinned: give room to extend
+        first += ['--lr-decay-epochs', '2']
+    status, err = run_main(main, first, cache_dir, capsys, small=SMALL_OF[name])
+    assert (status, err) == (0, [])
+    saved = json.load(open(os.path.join(out, 'config.json')))['lr_decay_epochs']
+    assert saved == (2 if 'linear_decay' in schedule else None)
+    for resume in (['--epochs', '2'], ['--only-eval']):  # the flags not typed: the saved run's
+        status, err = run_main(main, ['--output-dir', out, *resume], cache_dir, capsys,
+                               small=['--quiet'])
+        assert (status, err) == (0, [])
+    assert [record['epoch'] for record in metrics(out)][-1] == 2
+
+
+def test_a_run_saved_with_a_pinned_horizon_it_cannot_use_resumes(cache_dir, tmp_path, capsys):
+    """A run saved before the fix (constant schedule, lr_decay_epochs pinned to
+    --epochs) resumes and extends; --lr-decay-epochs none is accepted too."""
+    out = str(tmp_path / 'run')
+    status, _ = run_main(pg.main, ['--lr-schedule', 'constant', '--epochs', '1',
+                                   '--output-dir', out], cache_dir, capsys, small=SMALL_OF['pg'])
+    assert status == 0
+    path = os.path.join(out, 'checkpoint.npz')  # as the command line used to pin it:
+    with np.load(path) as data:
+        arrays = {name: data[name] for name in data.files}
+    header = json.loads(bytes(arrays['header']).decode())
+    header['metadata']['config']['lr_decay_epochs'] = 1
+    arrays['header'] = np.frombuffer(json.dumps(header).encode(), np.uint8)
+    np.savez(path, **arrays)
+    config = json.load(open(os.path.join(out, 'config.json')))
+    with open(os.path.join(out, 'config.json'), 'w') as f:
+        json.dump({**config, 'lr_decay_epochs': 1}, f)
+    for resume in (['--epochs', '2'], ['--epochs', '3', '--lr-decay-epochs', 'none']):
+        status, err = run_main(pg.main, ['--output-dir', out, *resume], cache_dir, capsys,
+                               small=['--quiet'])
+        assert (status, err) == (0, [])
 
 
 def _files(out):
