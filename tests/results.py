@@ -663,6 +663,13 @@ PROTOCOL = f"""## Protocol
   and the worst seed is within 10% of it (within 0.1 where the baseline is
   at most 1 in size); MemoryChain's is 1, remembering the context (gymnax
   lists 0.1).
+- **What gymnax-blines' figures are.** Each is one seed, scored with the
+  sampled (stochastic) policy on 164 episodes, and each is the better of its
+  PPO and ES agents: Pendulum's -130 and MountainCarContinuous' 92 are ES
+  figures (its PPO reached about -200 and -0.1), and its meta-RL rows
+  (MetaMaze, PointRobot, the bandits) used ES with 1e9 or more env steps.
+  Our figure, the greedy IQM over 32 seeds with the worst seed held to
+  it, is the stricter test.
 """
 
 

@@ -317,23 +317,18 @@ def test_report_adds_an_incomplete_dir_without_row_json(paths, tmp_path):
 
 # --- the committed documents are what docs/results.json gives --------------
 
-def test_readme_results_block_is_what_results_json_gives():
-    data = results.load_results(os.path.join(ROOT, 'docs', 'results.json'))
-    with open(os.path.join(ROOT, 'README.md')) as f:
-        readme = f.read()
-    assert results.readme_block(data) in readme, (
-        'README.md\'s results block differs from docs/results.json: run '
-        '`python tests/results.py report`')
-
-
-def test_results_md_is_what_results_json_gives():
-    path = os.path.join(ROOT, 'docs', 'results.json')
-    with open(path) as f:
-        if not isinstance(json.load(f), dict):
-            pytest.skip('docs/results.json predates the row format (seeds 0-7): '
-                        '`python tests/results.py report` rewrites it')
-    data = results.load_results(path)
-    with open(os.path.join(ROOT, 'docs', 'results.md')) as f:
-        assert f.read() == results.markdown(data, 'results.png'), (
-            'docs/results.md differs from docs/results.json: run '
-            '`python tests/results.py report`')
+def test_the_committed_documents_are_what_results_json_gives(tmp_path):
+    """`report` with no runs folder (a fresh clone) rewrites docs/results.md,
+    docs/results.png and README.md's block byte for byte from the committed
+    docs/results.json alone: a hand edit of any of them fails here."""
+    committed = {name: os.path.join(ROOT, path) for name, path in (
+        ('results.json', 'docs/results.json'), ('results.md', 'docs/results.md'),
+        ('results.png', 'docs/results.png'), ('README.md', 'README.md'))}
+    scratch = {name: str(tmp_path / name) for name in committed}
+    scratch['runs'] = str(tmp_path / 'no-runs')  # not there: results.json alone
+    for name, path in committed.items():
+        shutil.copyfile(path, scratch[name])
+    report(scratch)
+    assert contents(scratch) == contents(committed), (
+        'docs/results.md, docs/results.png or README.md\'s results block differs from what '
+        'docs/results.json gives: run `python tests/results.py report` (never edit them by hand)')
