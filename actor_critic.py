@@ -34,7 +34,7 @@ docs/actor_critic.md.
 if __name__ == '__main__':  # a Ctrl-C during the imports: held for main's one line
     try:
         __import__('harness.early_signals')
-    except ImportError:  # copied without harness/: common.plain_main runs it
+    except ImportError:  # copied without harness/: fields.plain_main runs it
         pass
 
 import contextlib
@@ -50,6 +50,7 @@ import numpy as np
 import optax
 
 import common
+import fields
 import policies
 
 
@@ -91,128 +92,128 @@ OFF_POLICY = ('awr',)  # objectives that take no old_log_probs: they train on a 
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    env: str = common.option('CartPole-v1', 'gymnax env (Discrete or Box action space)')
-    epochs: int = common.option(100, 'total epochs of collect -> train -> evaluate', bounds='[1, inf)')
-    n_envs: int = common.option(16, 'parallel envs per run (n_interactions mode)', bounds='[1, inf)')
-    n_interactions_per_epoch: Optional[int] = common.option(
+    env: str = fields.option('CartPole-v1', 'gymnax env (Discrete or Box action space)')
+    epochs: int = fields.option(100, 'total epochs of collect -> train -> evaluate', bounds='[1, inf)')
+    n_envs: int = fields.option(16, 'parallel envs per run (n_interactions mode)', bounds='[1, inf)')
+    n_interactions_per_epoch: Optional[int] = fields.option(
         2048, 'env steps per epoch and run; episodes carry over epochs', bounds='[1, inf)')
-    n_trajectories_per_epoch: Optional[int] = common.option(
+    n_trajectories_per_epoch: Optional[int] = fields.option(
         None, 'instead: complete fresh episodes per epoch and run', bounds='[1, inf)')
-    max_steps: Optional[int] = common.option(None, 'episode cap (default: the env\'s limit)', bounds='[1, inf)')
-    train_steps_per_epoch: int = common.option(
+    max_steps: Optional[int] = fields.option(None, 'episode cap (default: the env\'s limit)', bounds='[1, inf)')
+    train_steps_per_epoch: int = fields.option(
         64, 'policy gradient steps per epoch on this epoch\'s data (Trax: 1)', bounds='[1, inf)')
-    evals_per_epoch: int = common.option(1, 'trainer metric chunks per epoch (reporting only)', bounds='[1, inf)')
-    batch_size: int = common.option(
+    evals_per_epoch: int = fields.option(1, 'trainer metric chunks per epoch (reporting only)', bounds='[1, inf)')
+    batch_size: int = fields.option(
         128, 'policy minibatch: passes of minibatches over the epoch\'s steps, each pass in '
         'a fresh random order; 0: every step each step', bounds='[0, inf)')
-    lr: float = common.option(1e-3, 'policy Adam learning rate: the schedule\'s constant', sweep=True, bounds='(0, inf)')
-    lr_schedule: str = common.option(
+    lr: float = fields.option(1e-3, 'policy Adam learning rate: the schedule\'s constant', sweep=True, bounds='(0, inf)')
+    lr_schedule: str = fields.option(
         'constant * linear_decay',
         'multifactor factors: constant, linear_warmup, rsqrt_decay, decay_every, '
         'linear_decay (to 0 at the last step); Trax: constant * linear_warmup * rsqrt_decay')
-    warmup_steps: int = common.option(400, 'linear_warmup / rsqrt_decay steps', bounds='[1, inf)')
-    lr_decay_epochs: Optional[int] = common.option(
+    warmup_steps: int = fields.option(400, 'linear_warmup / rsqrt_decay steps', bounds='[1, inf)')
+    lr_decay_epochs: Optional[int] = fields.option(
         None, 'linear_decay reaches 0 after this many epochs (default: --epochs); keep '
         'it when resuming with a larger --epochs so the schedule does not change', bounds='[1, inf)')
-    adam_b1: float = common.option(0.9, 'policy Adam first-moment decay (Trax: 0.9)', sweep=True, bounds='[0, 1)')
-    adam_b2: float = common.option(0.999, 'policy Adam second-moment decay (Trax: 0.999)', sweep=True, bounds='[0, 1)')
-    adam_eps: float = common.option(
+    adam_b1: float = fields.option(0.9, 'policy Adam first-moment decay (Trax: 0.9)', sweep=True, bounds='[0, 1)')
+    adam_b2: float = fields.option(0.999, 'policy Adam second-moment decay (Trax: 0.999)', sweep=True, bounds='[0, 1)')
+    adam_eps: float = fields.option(
         1e-8, 'policy and value Adam epsilon (Trax, PureJaxRL: 1e-5)', sweep=True,
         bounds='(0, inf)')
-    gamma: float = common.option(0.99, 'discount factor in (0, 1] (Trax: 0.99)', sweep=True, bounds='(0, 1]')
-    normalize_advantages: bool = common.option(
+    gamma: float = fields.option(0.99, 'discount factor in (0, 1] (Trax: 0.99)', sweep=True, bounds='(0, 1]')
+    normalize_advantages: bool = fields.option(
         True, 'factor * (A - mean) / (std + epsilon) per minibatch (Trax: on)',
         aliases=('--advantage-normalization',))
-    entropy_coeff: float = common.option(
+    entropy_coeff: float = fields.option(
         0.01, 'loss -= this * mean policy entropy (Trax: 0.01)', sweep=True, bounds='[0, inf)')
-    policy_loss: str = common.option(
+    policy_loss: str = fields.option(
         'ppo', 'a2c, ppo or awr (Trax A2C, PPO, AWR); REINFORCE is pg.py. a2c and awr '
         'bring their own settings (--policy-loss a2c --help lists them); '
         'actor_critic.POLICY_OBJECTIVES holds them', choices=POLICY_OBJECTIVES)
-    n_replay_epochs: int = common.option(
+    n_replay_epochs: int = fields.option(
         1, 'the value and policy passes train on the last this many epochs\' steps (Trax: 1; '
         'more only for the off-policy awr, as Trax asserts)', bounds='[1, inf)')
-    advantage_estimator: str = common.option(
+    advantage_estimator: str = fields.option(
         'gae', 'monte_carlo, td_k, td_lambda or gae over the value network (Trax: td_lambda)',
         choices=ESTIMATORS)
-    lambda_: float = common.option(0.95, 'td_lambda / gae lambda (Trax: 0.95)', sweep=True,
+    lambda_: float = fields.option(0.95, 'td_lambda / gae lambda (Trax: 0.95)', sweep=True,
                                     bounds='[0, 1]')
-    added_policy_slice_length: int = common.option(
+    added_policy_slice_length: int = fields.option(
         32, 'the estimators\' margin: how many steps past a step its advantage looks '
         '(td_k: k); at least the rows\' length, gae and td_lambda run over the whole row '
         'in one pass; Trax: 0, with which td_lambda and gae give 0', bounds='[0, inf)')
-    epsilon: float = common.option(0.2, 'ppo: clip the ratio to [1 - this, 1 + this] '
+    epsilon: float = fields.option(0.2, 'ppo: clip the ratio to [1 - this, 1 + this] '
                                    '(Trax: 0.2)', sweep=True, bounds='(0, inf)')
-    beta: float = common.option(
+    beta: float = fields.option(
         1.0, 'awr: the temperature of the weights exp(A / beta), A normalised (Trax: 1)',
         sweep=True, bounds='(0, inf)', aliases=('--awr-beta',))
-    w_max: float = common.option(
+    w_max: float = fields.option(
         20.0, 'awr: each weight is capped at this (Trax: 20)', sweep=True, bounds='(0, inf)',
         aliases=('--awr-max-weight',))
-    advantage_normalization_factor: float = common.option(
+    advantage_normalization_factor: float = fields.option(
         1.0, 'normalised advantages are multiplied by this (Trax: 1)', sweep=True)
-    advantage_normalization_epsilon: float = common.option(
+    advantage_normalization_epsilon: float = fields.option(
         1e-5, '(A - mean) / (std + this) (Trax: 1e-5)', sweep=True, bounds='(0, inf)')
-    max_grad_norm: float = common.option(
+    max_grad_norm: float = fields.option(
         0.5, 'clip policy and value gradients to this global norm; 0: off (Trax: off)',
         sweep=True, bounds='[0, inf)')
-    value_lr: float = common.option(
+    value_lr: float = fields.option(
         1e-3, 'value network Adam learning rate (the same --lr-schedule factors)', sweep=True,
         bounds='(0, inf)')
-    value_batch_size: int = common.option(
+    value_batch_size: int = fields.option(
         128, 'value minibatch (0: every step of the epoch; Trax: 64)', bounds='[0, inf)')
-    value_train_steps_per_epoch: int = common.option(
+    value_train_steps_per_epoch: int = fields.option(
         64, 'value gradient steps per epoch (Trax: 500)', bounds='[1, inf)')
-    value_evals_per_epoch: int = common.option(
+    value_evals_per_epoch: int = fields.option(
         1, 'value chunks per epoch; the target value network is synced before the first '
         'and after each (Trax: 1)', bounds='[1, inf)')
-    scale_value_targets: bool = common.option(
+    scale_value_targets: bool = fields.option(
         False, 'the value network predicts V * (1 - gamma) (Trax: off)')
-    joint: bool = common.option(
+    joint: bool = fields.option(
         False, 'one loss, one Adam (--lr), one step per minibatch: the policy objective + '
         '--value-loss-coeff x the value loss - the entropy bonus (Trax\'s ActorCriticJointAgent; '
         'PureJaxRL); the value network\'s own --value-* steps and optimiser are gone')
-    shared_torso: bool = common.option(
+    shared_torso: bool = fields.option(
         False, '--joint: the policy and value heads share one torso (Trax\'s joint model); '
         'without it each has its own (PureJaxRL, CleanRL)')
-    value_loss_coeff: float = common.option(
+    value_loss_coeff: float = fields.option(
         0.5, '--joint: the value loss\'s weight in the combined loss (Trax\'s PPOJoint: 0.1; '
         'PureJaxRL: 0.5 on half the squared error)', sweep=True, bounds='[0, inf)')
-    torso: str = common.option(
+    torso: str = fields.option(
         'auto', 'policy and value torso: mlp, conv (3x3 convs, ReLU, flatten), auto (conv '
         'for [height, width, channels] observations, mlp otherwise) or gru: auto\'s layers, '
         'then a GRU whose state carries through each episode; it trains on sequences of '
         '--max-slice-length steps from the state stored at their first step',
         choices=policies.TORSOS)
-    gru_size: int = common.option(64, '--torso gru: the GRU\'s state size', bounds='[1, inf)')
-    max_slice_length: Optional[int] = common.option(
+    gru_size: int = fields.option(64, '--torso gru: the GRU\'s state size', bounds='[1, inf)')
+    max_slice_length: Optional[int] = fields.option(
         None, '--torso gru: steps per training sequence (truncated backpropagation through '
         'time; Trax\'s max_slice_length); must divide the rows\' length and the batch '
         'sizes (default: the rows\' length)', bounds='[1, inf)')
-    conv_channels: tuple[int, ...] = common.option(
+    conv_channels: tuple[int, ...] = fields.option(
         (16,), 'conv torso: channels of each 3x3 stride-1 conv (MinAtar paper: 16)',
         bounds='[1, inf)')
-    hidden_sizes: tuple[int, ...] = common.option(
+    hidden_sizes: tuple[int, ...] = fields.option(
         (64, 64), 'policy and value MLP hidden layer sizes', bounds='[1, inf)')
-    normalize_observations: bool = common.option(
+    normalize_observations: bool = fields.option(
         False, 'map each observation dimension whose Box bounds are finite onto [-1, 1] '
         'before the networks (MountainCar\'s velocity spans only +-0.07)')
-    init_log_std: float = common.option(
+    init_log_std: float = fields.option(
         0.0, 'Box actions: initial log std, in units of half the Box\'s width (gSDE: of '
         'each noise weight)', sweep=True)
-    state_dependent_exploration: bool = common.option(
+    state_dependent_exploration: bool = fields.option(
         False, 'Box actions: gSDE (Raffin et al. 2022): the noise is the policy\'s last '
         'hidden features times a random weight matrix held for --sde-sample-freq steps')
-    sde_sample_freq: int = common.option(
+    sde_sample_freq: int = fields.option(
         0, 'gSDE: steps between draws of the noise weights (0: one draw per epoch\'s '
         'rollout, as stable-baselines3\'s -1)', bounds='[0, inf)')
-    n_eval_episodes: int = common.option(16, 'episodes per evaluation (0: no evaluation)', bounds='[0, inf)')
-    eval_steps: Optional[tuple[int, ...]] = common.option(
+    n_eval_episodes: int = fields.option(16, 'episodes per evaluation (0: no evaluation)', bounds='[0, inf)')
+    eval_steps: Optional[tuple[int, ...]] = fields.option(
         None, 'evaluation horizons, e.g. 200,500 (default: max_steps)', bounds='[1, inf)')
-    eval_temperatures: tuple[float, ...] = common.option(
+    eval_temperatures: tuple[float, ...] = fields.option(
         (0.0,), 'evaluation temperatures: 0 argmax / Gaussian mean, T samples logits / T '
         'or std * T', bounds='[0, inf)')
-    eval_every: Optional[int] = common.option(
+    eval_every: Optional[int] = fields.option(
         None, 'epochs between evaluations, and always the last (default: epochs // 20, '
         'about 20 a run); evaluation has its own PRNG stream, so this never changes training',
         bounds='[1, inf)')
@@ -912,15 +913,15 @@ def evaluate(spec, hp, state):
 
 
 def make_agent(config: Config, given=None) -> common.Agent:
-    """Check `config` as the command line does (common.check_grid, then the
-    fields that cannot act: common.check_inert, `given` its fields set by a
+    """Check `config` as the command line does (fields.check_grid, then the
+    fields that cannot act: fields.check_inert, `given` its fields set by a
     command line), derive its Spec and build A2C's, PPO's or AWR's phases."""
-    common.check_grid(config, {}, check_runs)
+    fields.check_grid(config, {}, check_runs)
     policy = policies.policy_spec(config)
     inert = policies.inert_fields(config, policy)
     if not policy.gru_size:
         inert['max_slice_length'] = 'acts with --torso gru only'
-    common.check_inert(config, {**common.shared_inert(config, policies.feature_torso(
+    fields.check_inert(config, {**fields.shared_inert(config, policies.feature_torso(
         policy.torso, policy.obs_shape), policy.env_params), **inert}, given)
     max_steps = policy.max_steps
     fresh = bool(config.n_trajectories_per_epoch)
@@ -928,8 +929,8 @@ def make_agent(config: Config, given=None) -> common.Agent:
     steps = max_steps if fresh else config.n_interactions_per_epoch // config.n_envs
     check_slices(config, policy, steps)
     epochs = config.lr_decay_epochs or config.epochs
-    env_steps = common.env_steps_factors(config, n_envs, steps, max_steps)
-    common.check_int32_products([  # the counters and the replay's row index
+    env_steps = fields.env_steps_factors(config, n_envs, steps, max_steps)
+    fields.check_int32_products([  # the counters and the replay's row index
         ('policy gradient steps', [('--epochs', config.epochs),
                                    ('--train-steps-per-epoch', config.train_steps_per_epoch)]),
         ('value gradient steps', [('--epochs', config.epochs),
@@ -1072,7 +1073,7 @@ def env_settings(policy_loss, env, joint=False):
 
 def check_runs(config: Config, runs):
     """The rules that tie fields together (each field's own constraint is
-    common.check_fields'), on every run's values of the swept ones."""
+    fields.check_fields'), on every run's values of the swept ones."""
     error = common.UsageError
     if (config.n_trajectories_per_epoch is None) == (config.n_interactions_per_epoch is None):
         raise error('exactly one of --n-trajectories-per-epoch or --n-interactions-per-epoch '
@@ -1154,7 +1155,7 @@ def check_mode_fields(config, runs):
                                     '--gamma < 1')
         for name, (mode_field, modes) in MODE_ONLY.items():
             mode = getattr(config, mode_field)
-            value = run.get(name, defaults[name])  # (float32 too: common.check_grid)
+            value = run.get(name, defaults[name])  # (float32 too: fields.check_grid)
             if mode not in modes and np.float32(value) != np.float32(defaults[name]):
                 flag, mode_flag = (f'--{f.rstrip("_").replace("_", "-")}'
                                    for f in (name, mode_field))
@@ -1169,13 +1170,13 @@ def settings_table(typed):
 
 
 def main(argv=None):
-    """The full command line (harness/), or without it common.plain_main."""
+    """The full command line (harness/), or without it fields.plain_main."""
     try:  # `import actor_critic` alone needs neither
         from harness import cli
     except ModuleNotFoundError as error:
         if error.name != 'harness':
             raise
-        return common.plain_main(Config, make_agent, settings_table, argv, 'policy_loss')
+        return fields.plain_main(Config, make_agent, settings_table, argv, 'policy_loss')
     return cli.main(Config, make_agent, check_runs, 'actor_critic.py',
                     __doc__.split('\n\n')[0], argv, env_settings=settings_table,
                     settings_mode_field='policy_loss')

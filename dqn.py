@@ -24,7 +24,7 @@ Fixed relative to Trax (why: docs/trax.md section 6; notes: docs/dqn.md):
 if __name__ == '__main__':  # a Ctrl-C during the imports: held for main's one line
     try:
         __import__('harness.early_signals')
-    except ImportError:  # copied without harness/: common.plain_main runs it
+    except ImportError:  # copied without harness/: fields.plain_main runs it
         pass
 
 import dataclasses
@@ -39,6 +39,7 @@ import numpy as np
 import optax
 
 import common
+import fields
 
 
 
@@ -74,70 +75,70 @@ TARGETS = {'td_k': n_step_target, 'td_lambda': replayed_target,
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    env: str = common.option('CartPole-v1', 'gymnax env with a Discrete action space')
-    epochs: int = common.option(50, 'total epochs of collect -> train -> evaluate', bounds='[1, inf)')
-    n_envs: int = common.option(16, 'parallel envs per run (n_interactions mode)', bounds='[1, inf)')
-    n_interactions_per_epoch: Optional[int] = common.option(
+    env: str = fields.option('CartPole-v1', 'gymnax env with a Discrete action space')
+    epochs: int = fields.option(50, 'total epochs of collect -> train -> evaluate', bounds='[1, inf)')
+    n_envs: int = fields.option(16, 'parallel envs per run (n_interactions mode)', bounds='[1, inf)')
+    n_interactions_per_epoch: Optional[int] = fields.option(
         512, 'env steps collected per epoch and run; episodes carry over epochs', bounds='[1, inf)')
-    n_trajectories_per_epoch: Optional[int] = common.option(
+    n_trajectories_per_epoch: Optional[int] = fields.option(
         None, 'instead: this many complete fresh episodes per epoch (set the other to none)', bounds='[1, inf)')
-    max_steps: Optional[int] = common.option(None, 'episode cap (default: the env\'s limit)', bounds='[1, inf)')
-    train_steps_per_epoch: int = common.option(
+    max_steps: Optional[int] = fields.option(None, 'episode cap (default: the env\'s limit)', bounds='[1, inf)')
+    train_steps_per_epoch: int = fields.option(
         128, 'gradient steps per epoch (Trax value_train_steps_per_epoch: 500)', bounds='[1, inf)')
-    evals_per_epoch: int = common.option(1, 'trainer metric chunks per epoch (reporting only)', bounds='[1, inf)')
-    batch_size: int = common.option(128, 'transitions per gradient step (Trax value_batch_size: 64)', bounds='[1, inf)')
-    lr: float = common.option(
+    evals_per_epoch: int = fields.option(1, 'trainer metric chunks per epoch (reporting only)', bounds='[1, inf)')
+    batch_size: int = fields.option(128, 'transitions per gradient step (Trax value_batch_size: 64)', bounds='[1, inf)')
+    lr: float = fields.option(
         1e-2, 'Adam learning rate, the schedule\'s constant (Trax: 0.1 * multifactor)', sweep=True, bounds='(0, inf)')
-    lr_schedule: str = common.option(
+    lr_schedule: str = fields.option(
         'constant * linear_decay',
         'multifactor factors: constant, linear_warmup, rsqrt_decay, decay_every, '
         'linear_decay (to 0 at the last step); Trax: constant * linear_warmup * rsqrt_decay')
-    warmup_steps: int = common.option(400, 'linear_warmup / rsqrt_decay steps', bounds='[1, inf)')
-    lr_decay_epochs: Optional[int] = common.option(
+    warmup_steps: int = fields.option(400, 'linear_warmup / rsqrt_decay steps', bounds='[1, inf)')
+    lr_decay_epochs: Optional[int] = fields.option(
         None, 'linear_decay reaches 0 after this many epochs (default: --epochs); keep '
         'it when resuming with a larger --epochs so the schedule does not change', bounds='[1, inf)')
-    gamma: float = common.option(0.99, 'discount factor in (0, 1]', sweep=True, bounds='(0, 1]')
-    max_slice_length: int = common.option(
+    gamma: float = fields.option(0.99, 'discount factor in (0, 1]', sweep=True, bounds='(0, 1]')
+    max_slice_length: int = fields.option(
         4, 'Trax slice length L >= 2: targets are (L-1)-step returns (Trax: 1, broken)', bounds='[2, inf)')
-    advantage_estimator: str = common.option(
+    advantage_estimator: str = fields.option(
         'td_k', 'targets (Trax\'s DQN advantage_estimator): td_k, n-step returns (n = '
         'max_slice_length - 1); td_lambda, lambda-returns (Q(lambda), as PQN); monte_carlo, '
         'returns to the episode\'s or the block\'s end; the last two by common.py\'s '
         'estimators over each env\'s slice of each replayed epoch, refreshed each epoch '
         'from the target net; dqn.TARGETS holds them', choices=TARGETS)
-    lambda_: float = common.option(
+    lambda_: float = fields.option(
         0.95, 'td_lambda\'s lambda (Trax\'s estimators\' lambda_: 0.95; PQN on MinAtar: '
         '0.65)', sweep=True, bounds='[0, 1]')
-    double_dqn: bool = common.option(True, 'pick a* by the online net (Trax default: off)')
-    smoothl1loss: bool = common.option(True, 'Huber (delta 1) loss; off: L2')
-    scale_value_targets: bool = common.option(
+    double_dqn: bool = fields.option(True, 'pick a* by the online net (Trax default: off)')
+    smoothl1loss: bool = fields.option(True, 'Huber (delta 1) loss; off: L2')
+    scale_value_targets: bool = fields.option(
         True, 'the net predicts Q * (1 - gamma) (Trax\'s target scaling)')
-    sync_freq: int = common.option(
+    sync_freq: int = fields.option(
         25, 'gradient steps between target-net syncs (Trax: 1000)', sweep=True, bounds='[1, inf)')
-    n_replay_epochs: int = common.option(
+    n_replay_epochs: int = fields.option(
         50, 'replay holds the transitions of this many last epochs (Trax: 1)', bounds='[1, inf)')
-    exploration_constant: float = common.option(1.0, 'epsilon at epoch 0', sweep=True, bounds='[0, 1]')
-    exploration_decay_factor: float = common.option(
+    exploration_constant: float = fields.option(1.0, 'epsilon at epoch 0', sweep=True, bounds='[0, 1]')
+    exploration_decay_factor: float = fields.option(
         0.9, 'epsilon *= this every steps_per_decay epochs (Trax: 0.99)', sweep=True, bounds='(0, 1]')
-    exploration_steps_per_decay: int = common.option(1, 'epochs per epsilon decay', bounds='[1, inf)')
-    exploration_minimum: float = common.option(
+    exploration_steps_per_decay: int = fields.option(1, 'epochs per epsilon decay', bounds='[1, inf)')
+    exploration_minimum: float = fields.option(
         0.01, 'epsilon floor (Trax: 0.1)', sweep=True, bounds='[0, 1]')
-    torso: str = common.option(
+    torso: str = fields.option(
         'auto', 'Q-network torso: mlp, conv (3x3 convs, ReLU, flatten) or auto (conv for '
         '[height, width, channels] observations, mlp otherwise)', choices=common.TORSOS)
-    conv_channels: tuple[int, ...] = common.option(
+    conv_channels: tuple[int, ...] = fields.option(
         (16,), 'conv torso: channels of each 3x3 stride-1 conv (MinAtar paper: 16)',
         bounds='[1, inf)')
-    hidden_sizes: tuple[int, ...] = common.option((64, 64), 'Q-network hidden layer sizes', bounds='[1, inf)')
-    layer_norm: bool = common.option(
+    hidden_sizes: tuple[int, ...] = fields.option((64, 64), 'Q-network hidden layer sizes', bounds='[1, inf)')
+    layer_norm: bool = fields.option(
         False, 'LayerNorm before each hidden ReLU of the Q-network, conv and dense (PQN; '
         'not in Trax)')
-    n_eval_episodes: int = common.option(32, 'episodes per evaluation (0: no evaluation)', bounds='[0, inf)')
-    eval_steps: Optional[tuple[int, ...]] = common.option(
+    n_eval_episodes: int = fields.option(32, 'episodes per evaluation (0: no evaluation)', bounds='[0, inf)')
+    eval_steps: Optional[tuple[int, ...]] = fields.option(
         None, 'evaluation horizons, e.g. 200,500 (default: max_steps)', bounds='[1, inf)')
-    eval_temperatures: tuple[float, ...] = common.option(
+    eval_temperatures: tuple[float, ...] = fields.option(
         (0.0,), 'evaluation temperatures: 0 greedy, 1 epsilon-greedy, else softmax(Q/T)', bounds='[0, inf)')
-    eval_every: Optional[int] = common.option(
+    eval_every: Optional[int] = fields.option(
         None, 'epochs between evaluations, and always the last (default: epochs // 20, '
         'about 20 a run); evaluation has its own PRNG stream, so this never changes training',
         bounds='[1, inf)')
@@ -533,9 +534,9 @@ def train_step(spec, hp, state, indices):
     the target network syncs when the step count reaches a multiple of sync_freq."""
     block, row = indices
     replay = state.replay
-    fields = ('obs', 'action', 'target') if spec.estimator_targets else (
+    columns = ('obs', 'action', 'target') if spec.estimator_targets else (
         'obs', 'action', 'reward_sum', 'bootstrap_obs', 'bootstrap_discount')
-    batch = {name: getattr(replay, name)[block, row] for name in fields}
+    batch = {name: getattr(replay, name)[block, row] for name in columns}
     grads, metrics = jax.grad(functools.partial(loss_fn, spec), has_aux=True)(
         state.params, state.target_params, batch, hp)
     updates, opt_state = optimizer(spec, hp).update(grads, state.opt_state, state.params)
@@ -583,7 +584,7 @@ def evaluate(spec, hp, state):
     for i, (temperature, horizon) in enumerate(spec.eval_tags):
         returns = evaluation_returns(spec, hp, state.params, eps, temperature, horizon,
                                      *tag_keys[3 * i:3 * i + 3])
-        metrics[common.eval_key(temperature, horizon)] = returns.mean()
+        metrics[common.return_tag(temperature, horizon)] = returns.mean()
     return state, metrics
 
 
@@ -614,10 +615,10 @@ def evaluation_returns(spec, hp, params, eps, temperature, horizon, reset_key, n
 
 
 def make_agent(config: Config, given=None) -> common.Agent:
-    """Check `config` as the command line does (common.check_grid, then the
-    fields that cannot act: common.check_inert, `given` its fields set by a
+    """Check `config` as the command line does (fields.check_grid, then the
+    fields that cannot act: fields.check_inert, `given` its fields set by a
     command line), derive its Spec and bind the Spec to DQN's phases."""
-    common.check_grid(config, {}, check_runs)
+    fields.check_grid(config, {}, check_runs)
     env, env_params = common.make_env(config.env, config.max_steps)
     if common.space_kind(env.action_space(env_params)) != 'discrete':
         raise common.UsageError(f'{config.env} has a continuous (Box) action space; DQN '
@@ -637,11 +638,11 @@ def make_agent(config: Config, given=None) -> common.Agent:
         n_envs = config.n_envs
         steps = config.n_interactions_per_epoch // config.n_envs
     check_block_length(n_step, steps)
-    env_steps = common.env_steps_factors(config, n_envs, steps, max_steps)
+    env_steps = fields.env_steps_factors(config, n_envs, steps, max_steps)
     # The counters and the replay's row index.
-    common.check_int32_products(common.step_products(config, env_steps) + [
+    fields.check_int32_products(fields.step_products(config, env_steps) + [
         ('replay rows', [('--n-replay-epochs', config.n_replay_epochs), *env_steps])])
-    common.check_inert(config, {**common.shared_inert(config, torso, env_params),
+    fields.check_inert(config, {**fields.shared_inert(config, torso, env_params),
                                 **inert_fields(config)}, given)
     spec = Spec(
         config=config, env=env, env_params=env_params, obs_shape=obs_shape,
@@ -739,7 +740,7 @@ PQN_MINATAR = {
 
 def check_runs(config: Config, runs):
     """The rules that tie fields together (each field's own constraint is
-    common.check_fields'), on every run's values of the swept ones."""
+    fields.check_fields'), on every run's values of the swept ones."""
     error = common.UsageError
     if (config.n_trajectories_per_epoch is None) == (config.n_interactions_per_epoch is None):
         raise error('exactly one of --n-trajectories-per-epoch or --n-interactions-per-epoch '
@@ -770,7 +771,7 @@ def check_runs(config: Config, runs):
 
 
 def inert_fields(config):
-    """{field: why it cannot act} of DQN's own fields (common.check_inert)."""
+    """{field: why it cannot act} of DQN's own fields (fields.check_inert)."""
     if TARGETS[config.advantage_estimator] is not replayed_target:
         return {}
     return {'max_slice_length': f'has no effect with --advantage-estimator '
@@ -789,13 +790,13 @@ def check_block_length(n_step, steps):
 
 
 def main(argv=None):
-    """The full command line (harness/), or without it common.plain_main."""
+    """The full command line (harness/), or without it fields.plain_main."""
     try:  # `import dqn` alone needs neither
         from harness import cli
     except ModuleNotFoundError as error:
         if error.name != 'harness':
             raise
-        return common.plain_main(Config, make_agent, ENV_SETTINGS, argv)
+        return fields.plain_main(Config, make_agent, ENV_SETTINGS, argv)
     return cli.main(Config, make_agent, check_runs, 'dqn.py', __doc__.split('\n\n')[0], argv,
                     env_settings=ENV_SETTINGS)
 

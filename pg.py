@@ -25,7 +25,7 @@ A2C and PPO (Trax's actor_critic.py) are in actor_critic.py.
 if __name__ == '__main__':  # a Ctrl-C during the imports: held for main's one line
     try:
         __import__('harness.early_signals')
-    except ImportError:  # copied without harness/: common.plain_main runs it
+    except ImportError:  # copied without harness/: fields.plain_main runs it
         pass
 
 import dataclasses
@@ -39,6 +39,7 @@ import jax.numpy as jnp
 import optax
 
 import common
+import fields
 import policies
 
 
@@ -47,74 +48,74 @@ POLICY_LOSSES = ('reinforce', 'a2c', 'ppo')  # a2c and ppo only to point to acto
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    env: str = common.option('CartPole-v1', 'gymnax env (Discrete or Box action space)')
-    epochs: int = common.option(40, 'total epochs of collect -> train -> evaluate', bounds='[1, inf)')
-    n_envs: int = common.option(16, 'parallel envs per run (n_interactions mode)', bounds='[1, inf)')
-    n_interactions_per_epoch: Optional[int] = common.option(
+    env: str = fields.option('CartPole-v1', 'gymnax env (Discrete or Box action space)')
+    epochs: int = fields.option(40, 'total epochs of collect -> train -> evaluate', bounds='[1, inf)')
+    n_envs: int = fields.option(16, 'parallel envs per run (n_interactions mode)', bounds='[1, inf)')
+    n_interactions_per_epoch: Optional[int] = fields.option(
         None, 'instead: env steps per epoch and run; episodes carry over epochs and an '
         'unfinished episode\'s steps wait for the epoch in which it ends', bounds='[1, inf)')
-    n_trajectories_per_epoch: Optional[int] = common.option(
+    n_trajectories_per_epoch: Optional[int] = fields.option(
         32, 'complete fresh episodes per epoch and run (Trax CartPole test: 2)', bounds='[1, inf)')
-    max_steps: Optional[int] = common.option(None, 'episode cap (default: the env\'s limit)', bounds='[1, inf)')
-    train_steps_per_epoch: int = common.option(
+    max_steps: Optional[int] = fields.option(None, 'episode cap (default: the env\'s limit)', bounds='[1, inf)')
+    train_steps_per_epoch: int = fields.option(
         1, 'gradient steps per epoch on this epoch\'s data (Trax: 1)', bounds='[1, inf)')
-    evals_per_epoch: int = common.option(1, 'trainer metric chunks per epoch (reporting only)', bounds='[1, inf)')
-    batch_size: int = common.option(
+    evals_per_epoch: int = fields.option(1, 'trainer metric chunks per epoch (reporting only)', bounds='[1, inf)')
+    batch_size: int = fields.option(
         0, '0: every collected step is the batch; B > 0: Trax\'s B length-1 slices per '
         'step, each from a uniform trajectory, then a uniform step in it (Trax: 64)', bounds='[0, inf)')
-    lr: float = common.option(1e-2, 'Adam learning rate: the schedule\'s constant', sweep=True, bounds='(0, inf)')
-    lr_schedule: str = common.option(
+    lr: float = fields.option(1e-2, 'Adam learning rate: the schedule\'s constant', sweep=True, bounds='(0, inf)')
+    lr_schedule: str = fields.option(
         'constant * linear_decay',
         'multifactor factors: constant, linear_warmup, rsqrt_decay, decay_every, '
         'linear_decay (to 0 at the last step); Trax: constant * linear_warmup * rsqrt_decay')
-    warmup_steps: int = common.option(400, 'linear_warmup / rsqrt_decay steps', bounds='[1, inf)')
-    lr_decay_epochs: Optional[int] = common.option(
+    warmup_steps: int = fields.option(400, 'linear_warmup / rsqrt_decay steps', bounds='[1, inf)')
+    lr_decay_epochs: Optional[int] = fields.option(
         None, 'linear_decay reaches 0 after this many epochs (default: --epochs); keep '
         'it when resuming with a larger --epochs so the schedule does not change', bounds='[1, inf)')
-    adam_b1: float = common.option(
+    adam_b1: float = fields.option(
         0.0, 'Adam first-moment decay (Trax: 0.9); 0: no momentum carried across epochs, '
         'each of which brings a fresh on-policy gradient', sweep=True, bounds='[0, 1)')
-    adam_b2: float = common.option(0.99, 'Adam second-moment decay (Trax: 0.999)', sweep=True, bounds='[0, 1)')
-    gamma: float = common.option(0.995, 'discount factor in (0, 1] (Trax: 0.99)', sweep=True, bounds='(0, 1]')
-    normalize_advantages: bool = common.option(
+    adam_b2: float = fields.option(0.99, 'Adam second-moment decay (Trax: 0.999)', sweep=True, bounds='[0, 1)')
+    gamma: float = fields.option(0.995, 'discount factor in (0, 1] (Trax: 0.99)', sweep=True, bounds='(0, 1]')
+    normalize_advantages: bool = fields.option(
         True, 'A <- (A - mean A) / (std A + 1e-5) over the batch (Trax: on)',
         aliases=('--advantage-normalization',))
-    entropy_coeff: float = common.option(
+    entropy_coeff: float = fields.option(
         0.0, 'loss -= this * mean policy entropy (Trax: none for REINFORCE)', sweep=True,
         bounds='[0, inf)')
-    policy_loss: str = common.option(
+    policy_loss: str = fields.option(
         'reinforce', 'reinforce (Trax PolicyGradient), the only one here: A2C and PPO are '
         'in actor_critic.py', choices=POLICY_LOSSES)
-    torso: str = common.option(
+    torso: str = fields.option(
         'auto', 'policy torso: mlp, conv (3x3 convs, ReLU, flatten), auto (conv for '
         '[height, width, channels] observations, mlp otherwise) or gru: auto\'s layers, '
         'then a GRU whose state carries through each episode, trained by backpropagation '
         'through whole episodes (needs --batch-size 0)', choices=policies.TORSOS)
-    gru_size: int = common.option(64, '--torso gru: the GRU\'s state size', bounds='[1, inf)')
-    conv_channels: tuple[int, ...] = common.option(
+    gru_size: int = fields.option(64, '--torso gru: the GRU\'s state size', bounds='[1, inf)')
+    conv_channels: tuple[int, ...] = fields.option(
         (16,), 'conv torso: channels of each 3x3 stride-1 conv (MinAtar paper: 16)',
         bounds='[1, inf)')
-    hidden_sizes: tuple[int, ...] = common.option(
+    hidden_sizes: tuple[int, ...] = fields.option(
         (64, 64), 'policy MLP hidden layer sizes', bounds='[1, inf)')
-    normalize_observations: bool = common.option(
+    normalize_observations: bool = fields.option(
         False, 'map each observation dimension whose Box bounds are finite onto [-1, 1] '
         'before the network (MountainCar\'s velocity spans only +-0.07)')
-    init_log_std: float = common.option(
+    init_log_std: float = fields.option(
         0.0, 'Box actions: initial log std, in units of half the Box\'s width (gSDE: of '
         'each noise weight)', sweep=True)
-    state_dependent_exploration: bool = common.option(
+    state_dependent_exploration: bool = fields.option(
         False, 'Box actions: gSDE (Raffin et al. 2022): the noise is the policy\'s last '
         'hidden features times a random weight matrix held for --sde-sample-freq steps')
-    sde_sample_freq: int = common.option(
+    sde_sample_freq: int = fields.option(
         0, 'gSDE: steps between draws of the noise weights (0: one draw per epoch\'s '
         'rollout, as stable-baselines3\'s -1)', bounds='[0, inf)')
-    n_eval_episodes: int = common.option(32, 'episodes per evaluation (0: no evaluation)', bounds='[0, inf)')
-    eval_steps: Optional[tuple[int, ...]] = common.option(
+    n_eval_episodes: int = fields.option(32, 'episodes per evaluation (0: no evaluation)', bounds='[0, inf)')
+    eval_steps: Optional[tuple[int, ...]] = fields.option(
         None, 'evaluation horizons, e.g. 200,500 (default: max_steps)', bounds='[1, inf)')
-    eval_temperatures: tuple[float, ...] = common.option(
+    eval_temperatures: tuple[float, ...] = fields.option(
         (0.0,), 'evaluation temperatures: 0 argmax / Gaussian mean, T samples logits / T '
         'or std * T', bounds='[0, inf)')
-    eval_every: Optional[int] = common.option(
+    eval_every: Optional[int] = fields.option(
         None, 'epochs between evaluations, and always the last (default: epochs // 20, '
         'about 20 a run); evaluation has its own PRNG stream, so this never changes training',
         bounds='[1, inf)')
@@ -405,12 +406,12 @@ def evaluate(spec, hp, state):
 
 
 def make_agent(config: Config, given=None) -> common.Agent:
-    """Check `config` as the command line does (common.check_grid, then the
-    fields that cannot act: common.check_inert, `given` its fields set by a
+    """Check `config` as the command line does (fields.check_grid, then the
+    fields that cannot act: fields.check_inert, `given` its fields set by a
     command line), derive its Spec and build REINFORCE's per-run phases."""
-    common.check_grid(config, {}, check_runs)
+    fields.check_grid(config, {}, check_runs)
     policy = policies.policy_spec(config)
-    common.check_inert(config, {**common.shared_inert(config, policies.feature_torso(
+    fields.check_inert(config, {**fields.shared_inert(config, policies.feature_torso(
         policy.torso, policy.obs_shape), policy.env_params), **policies.inert_fields(
         config, policy)}, given)
     max_steps = policy.max_steps
@@ -422,9 +423,9 @@ def make_agent(config: Config, given=None) -> common.Agent:
         n_envs = config.n_envs
         steps = config.n_interactions_per_epoch // config.n_envs
         row_length = max_steps + steps  # the waiting tail, then the epoch's steps
-    env_steps = common.env_steps_factors(config, n_envs, steps, max_steps)
+    env_steps = fields.env_steps_factors(config, n_envs, steps, max_steps)
     # The counters and the batch's row index.
-    common.check_int32_products(common.step_products(config, env_steps) + [
+    fields.check_int32_products(fields.step_products(config, env_steps) + [
         ('batch steps', env_steps if fresh else
          [('--n-envs', n_envs), (f'(the episode cap {max_steps} + {steps} steps an epoch)',
                                  row_length)])])
@@ -456,7 +457,7 @@ NOT_HERE = ('pg.py is REINFORCE (Trax PolicyGradient); A2C and PPO are in actor_
 
 def check_runs(config: Config, runs):
     """The rules that tie fields together (each field's own constraint is
-    common.check_fields'); none is swept."""
+    fields.check_fields'); none is swept."""
     if config.policy_loss != 'reinforce':
         raise common.UsageError(NOT_HERE)
     error = common.UsageError
@@ -476,13 +477,13 @@ def check_runs(config: Config, runs):
 
 
 def main(argv=None):
-    """The full command line (harness/), or without it common.plain_main."""
+    """The full command line (harness/), or without it fields.plain_main."""
     try:  # `import pg` alone needs neither
         from harness import cli
     except ModuleNotFoundError as error:
         if error.name != 'harness':
             raise
-        return common.plain_main(Config, make_agent, ENV_SETTINGS, argv)
+        return fields.plain_main(Config, make_agent, ENV_SETTINGS, argv)
     return cli.main(Config, make_agent, check_runs, 'pg.py', __doc__.split('\n\n')[0], argv,
                     env_settings=ENV_SETTINGS)
 

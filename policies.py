@@ -1,8 +1,8 @@
 """The policies of pg.py and actor_critic.py over gymnax envs: Categorical for
 Discrete actions, Gaussian for Box ones (a learned state-independent log std,
 or gSDE's state-dependent noise), the recurrent (GRU) torso, and their
-rollouts and evaluation. DQN needs none of it: `cp dqn.py common.py` is DQN
-alone; pg.py and actor_critic.py take this file too.
+rollouts and evaluation. DQN needs none of it: `cp dqn.py common.py fields.py` is
+DQN alone; pg.py and actor_critic.py take this file too.
 """
 
 import functools
@@ -540,7 +540,7 @@ def evaluate_policy(spec, state, eval_tags, n_episodes):
         obs, env_state = env_reset(spec, reset_key, n_episodes)
         _, rec = rollout(spec, rollout_key, state.params, obs, env_state, jnp.zeros(n_episodes),
                          horizon, temperature, True)
-        metrics[common.eval_key(temperature, horizon)] = jnp.sum(
+        metrics[common.return_tag(temperature, horizon)] = jnp.sum(
             rec['reward'] * rec['valid'], axis=0).mean()
     return state, metrics
 
@@ -548,7 +548,7 @@ def evaluate_policy(spec, state, eval_tags, n_episodes):
 
 
 def inert_fields(config, spec):
-    """{field: why it cannot act} of the policy fields (common.check_inert):
+    """{field: why it cannot act} of the policy fields (fields.check_inert):
     the Box-only and gSDE-only ones, and the GRU's size without the GRU."""
     inert = {}
     if spec.kind != 'box':

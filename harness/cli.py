@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import common
+import fields
 from harness import devices
 from harness import flags
 from harness import rundir
@@ -79,7 +80,7 @@ def epoch_line(epoch, epochs, metrics, recent_return, seconds, seconds_left):
 # Fields that may change between a run and its resumption.
 HARMLESS_FIELDS = {'epochs', 'checkpoint_every', 'eval_every'}
 CHUNK_SECONDS = 3.0  # the wall time aimed at per compiled call (a chunk of epochs)
-CHUNK_EPOCHS = common.CHUNK_EPOCHS  # at most this many epochs per chunk
+CHUNK_EPOCHS = fields.CHUNK_EPOCHS  # at most this many epochs per chunk
 CHECKPOINT_SECONDS = 60.0  # between checkpoints, unless --checkpoint-every is given
 SAVE_JOIN_SECONDS = 10.0  # a stopping run waits at most this for a save in flight
 
@@ -243,7 +244,7 @@ def main(config_cls, make_agent, check_runs, prog, description, argv=None,
     flags not given: from the env's settings (`env_settings`: a table, or a
     function of the typed values giving one), and on resume from the saved
     config (defaults < env settings < saved config < flags given); check
-    every run's values (common.check_grid with the algorithm's `check_runs`),
+    every run's values (fields.check_grid with the algorithm's `check_runs`),
     then run (or resume, or only evaluate) the experiment."""
     with _signals, rundir.matplotlib_config_dir():
         try:
@@ -294,7 +295,7 @@ def _main(config_cls, make_agent, check_runs, prog, description, argv,
         config, grid, dropped = _checked_config(config_cls, make_agent, check_runs, args,
                                                 applied if fresh else None)
         # The fields this command set, which make_agent refuses when they cannot
-        # act (common.check_inert): typed, from the env's settings or the saved
+        # act (fields.check_inert): typed, from the env's settings or the saved
         # run (_with_source names where a value not typed came from).
         args.set_fields = dict.fromkeys(sorted({*args.setting_sources, *args.given}))
         if fresh and (applied or dropped) and not args.quiet:
@@ -324,7 +325,7 @@ def _checked_config(config_cls, make_agent, check_runs, args, applied):
         try:
             config, grid = flags.config_and_grid(config_cls, args)
             flags.check_run_flags(args)
-            common.check_grid(config, grid, check_runs)
+            fields.check_grid(config, grid, check_runs)
             if applied and not devices.distributed_requested(args):
                 try:  # (no JAX backend before jax.distributed: only without it)
                     make_agent(config, given={**dict.fromkeys(applied),
@@ -335,7 +336,7 @@ def _checked_config(config_cls, make_agent, check_runs, args, applied):
                     return config, grid, dropped
             return config, grid, dropped
         except common.UsageError as error:
-            field = common.inert_setting(error, applied or {}, args.given)
+            field = fields.inert_setting(error, applied or {}, args.given)
             if field is None:
                 raise
             dropped[field] = applied.pop(field)
@@ -527,8 +528,7 @@ def _set_up(make_agent, config, grid, args, prog):
                   'seed': args.seed, 'num_seeds': args.num_seeds,
                   'checkpoint_every': getattr(args, 'checkpoint_every', None)}
     run_config = json.loads(json.dumps(run_config))  # tuples -> lists, as saved
-    # Each run's key is PRNGKey(its seed), built in one call (not one per run).
-    keys = jax.vmap(jax.random.PRNGKey)(jnp.asarray([run['seed'] for run in runs], jnp.int32))
+    keys = common.run_keys(runs)
     return _Run(agent=agent, config=config, runs=runs, hp=devices.put_global(hp, sharding),
                 keys=devices.put_global(_pad_rows(keys, pad), sharding), sharding=sharding,
                 output_dir=output_dir, run_config=run_config, resuming=False,
@@ -729,7 +729,7 @@ def _only_eval(run, phases, state, args):
     metrics = _real_rows(run, devices.gather(metrics))
     if not devices.is_writer():
         return metrics
-    records = rundir.metric_records(run.start_epoch, metrics, run.runs)
+    records = fields.metric_records(run.start_epoch, metrics, run.runs)
     rundir.write_jsonl(os.path.join(run.output_dir, 'eval.jsonl'), records)
     if args.plot:  # the learning curves of metrics.jsonl, up to the checkpoint
         rundir.plot_learning_curves(run.history, run.agent, run.config.env,
@@ -753,7 +753,7 @@ def _run_chunk(run, phases, state, start, n):
     if _signals.pending is not None:  # done: one more Ctrl-C has no chunk left to abandon
         _signals.stopping = True  # (raised in the save, it would end in a traceback)
     seconds = (time.time() - chunk_start) / n
-    evaluated = {common.eval_key(*tag) for tag in run.agent.eval_tags}
+    evaluated = {common.return_tag(*tag) for tag in run.agent.eval_tags}
     epochs = []
     for i in range(n):
         epoch = start + i + 1
@@ -833,7 +833,7 @@ def _record(run, epochs, summaries, until=None):
     """A chunk's metric records into the history, metrics.jsonl and TensorBoard;
     with `until` ([n_runs] epochs), each run's records of epochs before its own."""
     records = [record for number, metrics in epochs
-               for record in rundir.metric_records(number, metrics, run.runs)
+               for record in fields.metric_records(number, metrics, run.runs)
                if until is None or number < until[record['run']]]
     run.history.extend(records)
     # Metrics first, then the checkpoint: a crash between the two leaves
@@ -1052,7 +1052,7 @@ def _final_eval_key(agent, config):
         return None
     greedy = [tag for tag in agent.eval_tags if tag[0] == 0]
     tag = max(greedy, key=lambda tag: tag[1]) if greedy else agent.eval_tags[0]
-    return common.eval_key(*tag)
+    return common.return_tag(*tag)
 
 
 def _summary(agent, config, runs, history, wall_start, compile_s, batch_invariant):

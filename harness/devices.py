@@ -438,11 +438,6 @@ def lone_run_padding(n_runs, sharding, batch_invariant):
     return n_runs
 
 
-def runs_per_device(n_rows, sharding):
-    """How many runs (padding included) each device computes."""
-    return n_rows // len(sharding.device_set)
-
-
 def _out_of_memory(error):
     text = str(error)
     return isinstance(error, MemoryError) or 'RESOURCE_EXHAUSTED' in text \

@@ -12,6 +12,7 @@ import sys
 import jax
 
 import common
+import fields
 from harness import devices
 from harness import rundir
 
@@ -24,13 +25,13 @@ class ArgumentParser(argparse.ArgumentParser):
 
 
 def _flag_parser(kind, is_tuple, optional, sweep, flag):
-    """argparse's type for a flag: common.parse_field's value (a sweep field's
+    """argparse's type for a flag: fields.parse_field's value (a sweep field's
     always a list), its UsageError as argparse's one-line error."""
     field = dataclasses.field(metadata={'sweep': sweep})
 
     def parse(text):
         try:
-            value = common.parse_field(field, (kind, is_tuple, optional), text, flag)
+            value = fields.parse_field(field, (kind, is_tuple, optional), text, flag)
         except common.UsageError as error:
             raise argparse.ArgumentTypeError(str(error)) from None
         return [value] if sweep and not isinstance(value, list) else value
@@ -103,7 +104,7 @@ def build_parser(config_cls, prog, description):
 
 def _add_config_flags(parser, config_cls):
     """One flag per Config field, its help line ending in the constraint."""
-    kinds = common.field_kinds(config_cls)
+    kinds = fields.field_kinds(config_cls)
     for field in dataclasses.fields(config_cls):
         flag = '--' + field.name.replace('_', '-')
         # A name that is a Python keyword plus '_' (Trax's `lambda_`) is typed
@@ -112,7 +113,7 @@ def _add_config_flags(parser, config_cls):
         flags += list(field.metadata.get('aliases', ()))
         kind, is_tuple, optional = kinds[field.name]
         help_text = field.metadata.get('help', '')
-        constraint = common.constraint_text(field, kind)
+        constraint = fields.constraint_text(field, kind)
         if constraint:
             help_text += f' {{{constraint}}}'
         sweep = field.metadata.get('sweep', False)
@@ -264,11 +265,11 @@ def env_settings_help(table):
 
 def apply_env_settings(config_cls, args, table, mode_field=None):
     """Set on `args` the settings of args.env that no command-line flag gave
-    (common.env_settings); -> {field: value} of those applied, or None when
+    (fields.env_settings); -> {field: value} of those applied, or None when
     the entry is for another `mode_field` value than the one typed."""
     names = {field.name for field in dataclasses.fields(config_cls)}
     typed = {name: getattr(args, name) for name in args.given if name in names}
-    applied = common.env_settings(config_cls, table or {}, typed, mode_field)
+    applied = fields.env_settings(config_cls, table or {}, typed, mode_field)
     for name, value in (applied or {}).items():
         if name not in names:
             raise ValueError(f'env settings for {args.env}: no config field {name!r}')
@@ -318,18 +319,18 @@ def take_saved_config(config_cls, args, saved):
     A saved config of another algorithm or version (other fields) is left
     alone: resuming refuses it, naming the fields that differ.
     """
-    fields = {field.name: field for field in dataclasses.fields(config_cls)}
-    if set(saved) - {'algorithm', 'grid', *RUN_FIELDS} != set(fields):
+    config_fields = {field.name: field for field in dataclasses.fields(config_cls)}
+    if set(saved) - {'algorithm', 'grid', *RUN_FIELDS} != set(config_fields):
         return False
-    kinds = common.field_kinds(config_cls)
+    kinds = fields.field_kinds(config_cls)
     grid = saved.get('grid') or {}
-    for name in [*fields, *RUN_FIELDS]:
+    for name in [*config_fields, *RUN_FIELDS]:
         if name in args.given or name not in saved:
             continue
         if name == 'lr_decay_epochs' and not decays_linearly(saved):
             continue  # inert: runs saved before it was left unpinned hold --epochs here
         value = grid.get(name, saved[name])
-        if name in fields and value is not None and kinds[name][1]:
+        if name in config_fields and value is not None and kinds[name][1]:
             value = tuple(value)  # JSON keeps tuples as lists
         setattr(args, name, list(value) if name in grid else value)
     horizon = saved.get('lr_decay_epochs')
@@ -356,7 +357,7 @@ def config_and_grid(config_cls, args):
         # (Without linear_decay it cannot act: pinned, it would be refused as
         # a field set to no effect when the run resumes.)
         values['lr_decay_epochs'] = values['epochs']
-    return common.config_and_grid(config_cls, values)
+    return fields.config_and_grid(config_cls, values)
 
 
 def decays_linearly(config):
@@ -371,17 +372,17 @@ def decays_linearly(config):
 
 def check_run_flags(args):
     """--num-seeds >= 1, every run's seed a valid int32 PRNG seed, the process flags."""
-    if not 1 <= args.num_seeds <= common.INT32_MAX:
+    if not 1 <= args.num_seeds <= fields.INT32_MAX:
         raise common.UsageError(f'--num-seeds must be >= 1, got {args.num_seeds}')
-    if not 0 <= args.seed <= common.INT32_MAX - args.num_seeds + 1:
-        raise common.UsageError(f'--seed must be in [0, {common.INT32_MAX} - num_seeds + 1], got {args.seed}')
+    if not 0 <= args.seed <= fields.INT32_MAX - args.num_seeds + 1:
+        raise common.UsageError(f'--seed must be in [0, {fields.INT32_MAX} - num_seeds + 1], got {args.seed}')
     every = getattr(args, 'checkpoint_every', None)
-    if every is not None and not 1 <= every <= common.INT32_MAX:
+    if every is not None and not 1 <= every <= fields.INT32_MAX:
         raise common.UsageError(f'--checkpoint-every must be >= 1 (and fit int32), got {every}')
     time_limit = getattr(args, 'time_limit', None)
     if time_limit is not None and not 0 < time_limit < float('inf'):
-        raise common.UsageError(f'--time-limit must be a number of seconds > 0, got {common.show_float(time_limit)}')
+        raise common.UsageError(f'--time-limit must be a number of seconds > 0, got {fields.show_float(time_limit)}')
     timeout = getattr(args, 'coordinator_timeout', 60.0)
     if not 1 <= timeout <= 86400:
-        raise common.UsageError(f'--coordinator-timeout must be in [1, 86400] seconds, got {common.show_float(timeout)}')
+        raise common.UsageError(f'--coordinator-timeout must be in [1, 86400] seconds, got {fields.show_float(timeout)}')
     devices.check_process_flags(args)

@@ -8,7 +8,6 @@ import fcntl
 import glob
 import io
 import json
-import math
 import os
 import re
 import sys
@@ -157,21 +156,6 @@ def load_checkpoint(path, template):
             raise ValueError(f'checkpoint {path}: {name} is {leaf.dtype}{list(leaf.shape)}, '
                              f'expected {want.dtype}{list(want.shape)}')
     return jax.tree.unflatten(treedef, leaves), header['metadata']
-
-
-def _json_value(value):
-    value = float(value)
-    return value if math.isfinite(value) else None
-
-
-def metric_records(epoch, metrics, runs):
-    """Per-run JSON records for one epoch from {name: array [n_runs]}."""
-    records = []
-    for index, run in enumerate(runs):
-        record = {'epoch': epoch, 'run': index, **run}
-        record.update({name: _json_value(values[index]) for name, values in metrics.items()})
-        records.append(record)
-    return records
 
 
 def read_history(path, last_epoch):
@@ -448,7 +432,7 @@ def _plot(history, agent, env_name, path):
     steps = np.nanmean(table('rl/n_interactions'), axis=1)
     figure, axis = plt.subplots(figsize=(7, 4))
     names = [('rl/avg_return', 'training return')]
-    names += [(common.eval_key(t, h), f'greedy return (T={t:g}, {h} steps)' if t == 0 else
+    names += [(common.return_tag(t, h), f'greedy return (T={t:g}, {h} steps)' if t == 0 else
                f'eval return (T={t:g}, {h} steps)')
               for t, h in agent.eval_tags]
     for name, label in names:

@@ -323,7 +323,7 @@ def greedy_key(history, summary):
     longest horizon evaluated."""
     if summary and summary.get('final_eval_key'):
         return summary['final_eval_key']
-    prefix = common.eval_key(0.0, 0)[:-1]
+    prefix = common.return_tag(0.0, 0)[:-1]
     keys = {key for record in history.values() for key in record if key.startswith(prefix)}
     if not keys:
         fail('no greedy evaluation in metrics.jsonl')

@@ -23,6 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import actor_critic as ac  # noqa: E402
 import common  # noqa: E402
+import fields  # noqa: E402
 import policies  # noqa: E402
 from harness import flags  # noqa: E402
 import probe_envs  # noqa: E402
@@ -520,7 +521,7 @@ AC_CARTPOLE = dict(n_trajectories_per_epoch=None, n_envs=16, advantage_estimator
 def test_actor_critic_solves_cartpole(policy_loss, overrides):
     config = ac.Config(policy_loss=policy_loss, **AC_CARTPOLE, **overrides)
     agent, state, history, _, _ = run_phases(config, epochs=config.epochs)
-    key = common.eval_key(0.0, 500)
+    key = common.return_tag(0.0, 500)
     assert float(history[0][key][0]) < 200  # it learned, it did not start there
     assert float(history[-1][key][0]) >= 475
     assert np.isfinite(float(history[-1]['metrics/value_loss'][0]))
@@ -600,7 +601,7 @@ def test_gaussian_probe_converges_to_the_best_continuous_action(policy_loss, ove
     agent, state, history, _, _ = run_phases(config, epochs=config.epochs)
     net = jax.tree.map(lambda x: x[0], state.params['net'])
     assert float(common.mlp(net, jnp.ones(2))[0]) == pytest.approx(0.5, abs=0.1)
-    assert float(history[-1][common.eval_key(0.0, 1)][0]) > -0.01
+    assert float(history[-1][common.return_tag(0.0, 1)][0]) > -0.01
     if policy_loss == 'ppo':
         assert 0 <= float(history[-1]['metrics/clip_fraction'][0]) <= 1
     else:  # Trax's weight statistics, within the cap
@@ -639,7 +640,7 @@ def test_gsde_ppo_solves_mountain_car_continuous():
     settings = {**ac.ENV_SETTINGS['MountainCarContinuous-v0'], 'n_eval_episodes': 4}
     config = ac.Config(env='MountainCarContinuous-v0', **settings)
     agent, state, history, _, _ = run_phases(config, epochs=config.epochs)
-    key = common.eval_key(0.0, 999)
+    key = common.return_tag(0.0, 999)
     assert abs(float(history[0][key][0])) < 50  # the first greedy policy barely moves
     assert float(history[-1][key][0]) >= 90
 
@@ -650,7 +651,7 @@ def test_ppo_settings_solve_catch():
     config = ac.Config(env='Catch-bsuite', **{**ac.ENV_SETTINGS['Catch-bsuite'],
                                               'n_eval_episodes': 64})
     agent, state, history, _, _ = run_phases(config, epochs=config.epochs)
-    key = common.eval_key(*agent.eval_tags[0])
+    key = common.return_tag(*agent.eval_tags[0])
     assert float(history[0][key][0]) < 0.5  # not caught by chance
     assert float(history[-1][key][0]) == 1.0
 
@@ -670,8 +671,8 @@ def test_value_network_learns_the_image_probe_through_the_conv_torso():
 
 
 def test_env_settings_table_names_real_fields_and_valid_configs():
-    fields = {field.name: field for field in dataclasses.fields(ac.Config)}
-    defaults = {name: field.default for name, field in fields.items()}
+    config_fields = {field.name: field for field in dataclasses.fields(ac.Config)}
+    defaults = {name: field.default for name, field in config_fields.items()}
     # (table, the loss each entry is for, what an entry's fields would be without it)
     tables = [(ac.ENV_SETTINGS, 'ppo', defaults)]
     for loss, own in ac.MODE_SETTINGS.items():
@@ -683,9 +684,9 @@ def test_env_settings_table_names_real_fields_and_valid_configs():
             settings = {**base, **entry}
             assert settings['policy_loss'] == loss  # each entry names the loss it is for
             for field, value in entry.items():
-                assert field in fields, (name, field)
+                assert field in config_fields, (name, field)
                 assert value != base[field] or field == 'policy_loss', (name, field)
-            common.check_grid(dataclasses.replace(
+            fields.check_grid(dataclasses.replace(
                 ac.Config(env=name), **{k: v for k, v in settings.items() if k != 'env'}), {},
                 ac.check_runs)
     # The table a command line gets: PPO's unless it asks for a mode with its own.

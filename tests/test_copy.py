@@ -1,6 +1,6 @@
-"""Copy an algorithm and run it (issue 36): `cp dqn.py common.py` into an
-empty folder, then `python dqn.py ...` runs there without harness/ (pg.py
-and actor_critic.py take policies.py too), says in one line what harness/
+"""Copy an algorithm and run it (issue 36): `cp dqn.py common.py fields.py`
+into an empty folder, then `python dqn.py ...` runs there without harness/
+(pg.py and actor_critic.py take policies.py too), says in one line what harness/
 adds, and writes a metrics.jsonl bitwise the repo's command line's for the
 same flags (timings aside); bad input is refused there with the command
 line's message, exit 2.
@@ -15,8 +15,9 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FILES = {'dqn': ['dqn.py', 'common.py'], 'pg': ['pg.py', 'common.py', 'policies.py'],
-         'actor_critic': ['actor_critic.py', 'common.py', 'policies.py']}
+FILES = {'dqn': ['dqn.py', 'common.py', 'fields.py'],
+         'pg': ['pg.py', 'common.py', 'fields.py', 'policies.py'],
+         'actor_critic': ['actor_critic.py', 'common.py', 'fields.py', 'policies.py']}
 # Small runs: 2 seeds x a 2-point grid (the grid's runs in the CLI's order).
 FLAGS = {
     'dqn': ['--n-envs', '4', '--n-interactions-per-epoch', '64', '--train-steps-per-epoch', '16',

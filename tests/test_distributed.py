@@ -361,7 +361,7 @@ def test_readme_localhost_example_runs_as_written(cache_dir, tmp_path):
     assert '--coordinator-address 127.0.0.1:23456' in block and 'wait' in block
     block = block.replace('127.0.0.1:23456', f'127.0.0.1:{free_port()}')
     bin_dir = os.path.dirname(sys.executable)  # a virtualenv's bin has `python`
-    for script in ('dqn.py', 'pg.py', 'actor_critic.py', 'common.py', 'harness'):
+    for script in ('dqn.py', 'pg.py', 'actor_critic.py', 'common.py', 'fields.py', 'harness'):
         (tmp_path / script).symlink_to(os.path.join(ROOT, script))
     env = dict(environment(1), PATH=f'{bin_dir}{os.pathsep}{os.environ["PATH"]}',
                JAX_COMPILATION_CACHE_DIR=cache_dir)

@@ -734,10 +734,10 @@ def test_evaluate_horizons_temperatures():
         return state, after, metrics
 
     before, after, metrics = jax.device_get(jax.jit(run)(jax.random.PRNGKey(2)))
-    assert set(metrics) == {common.eval_key(t, h) for t in (0.0, 1.0, 0.5) for h in (3, 10)}
+    assert set(metrics) == {common.return_tag(t, h) for t in (0.0, 1.0, 0.5) for h in (3, 10)}
     assert 'rl/avg_return_temperature0.00_steps10' in metrics
     for (t, h), want in {(t, h): min(h, 5) for t in (0.0, 1.0, 0.5) for h in (3, 10)}.items():
-        np.testing.assert_allclose(metrics[common.eval_key(t, h)], want, err_msg=f'T={t} h={h}')
+        np.testing.assert_allclose(metrics[common.return_tag(t, h)], want, err_msg=f'T={t} h={h}')
     chex.assert_trees_all_equal(before.replay, after.replay, strict=True)
     chex.assert_trees_all_equal(before.params, after.params, strict=True)
     assert int(after.n_interactions) == int(before.n_interactions) == 8
@@ -1005,7 +1005,7 @@ def test_one_epoch_on_every_gymnax_env(name):
     np.testing.assert_array_equal(state.replay.count, [8])
     assert int(state.train_step) == 2
     for key in ('metrics/value_loss', 'metrics/value_mean', 'metrics/returns_mean',
-                common.eval_key(0.0, horizon)):
+                common.return_tag(0.0, horizon)):
         assert np.isfinite(metrics[key]), key
     assert all(np.all(np.isfinite(leaf)) for leaf in jax.tree.leaves(state.params))
 

@@ -28,6 +28,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import common  # noqa: E402
+import fields  # noqa: E402
 import dqn  # noqa: E402
 import pg  # noqa: E402
 from harness import cli  # noqa: E402
@@ -148,7 +149,7 @@ def test_ints_parse_exactly_and_float32_keeps_what_fits():
     assert parse(str(2 ** 70)) == 2 ** 70  # exact, and check_fields bounds it (int32)
     checked = []
     config = dqn.Config(gamma=0.9999999)  # float32 0.99999988: < 1, accepted
-    common.check_grid(config, {}, lambda c, runs: checked.append(c.gamma))
+    fields.check_grid(config, {}, lambda c, runs: checked.append(c.gamma))
     assert checked == [0.9999999, float(np.float32(0.9999999))] and checked[1] < 1
 
 
@@ -814,8 +815,8 @@ def test_a_bound_message_prints_the_value_as_typed(module, args, needle, tmp_pat
 
 
 def test_a_float32_value_is_printed_exactly():
-    assert common._show32(float(np.float32(0.99999997))) == '0.99999994'
-    assert common._show32(1.0) == '1' and common._show32(float(np.float32(0.5))) == '0.5'
+    assert fields._show32(float(np.float32(0.99999997))) == '0.99999994'
+    assert fields._show32(1.0) == '1' and fields._show32(float(np.float32(0.5))) == '0.5'
 
 
 MEMORY = [  # the flag that grew the state, and flags the script's list names but did not

@@ -24,6 +24,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 import common  # noqa: E402
+import fields  # noqa: E402
 from harness import cli  # noqa: E402
 from harness import flags  # noqa: E402
 from harness import rundir  # noqa: E402
@@ -295,13 +296,13 @@ def test_checkpoint_written_to_temp_then_renamed(ckpt, monkeypatch):
 
 @dataclasses.dataclass(frozen=True)
 class TinyConfig:
-    env: str = common.option('CartPole-v1', 'gymnax env name')
-    max_slice_length: int = common.option(2, 'slice length')
-    double_dqn: bool = common.option(True, 'double DQN')
-    eval_steps: Tuple[int, ...] = common.option((200,), 'eval horizons')
-    max_steps: Optional[int] = common.option(None, 'episode cap')
-    lr: float = common.option(1e-3, 'learning rate', sweep=True)
-    gamma: float = common.option(0.99, 'discount', sweep=True)
+    env: str = fields.option('CartPole-v1', 'gymnax env name')
+    max_slice_length: int = fields.option(2, 'slice length')
+    double_dqn: bool = fields.option(True, 'double DQN')
+    eval_steps: Tuple[int, ...] = fields.option((200,), 'eval horizons')
+    max_steps: Optional[int] = fields.option(None, 'episode cap')
+    lr: float = fields.option(1e-3, 'learning rate', sweep=True)
+    gamma: float = fields.option(0.99, 'discount', sweep=True)
 
 
 def parse(argv):
@@ -433,7 +434,7 @@ def test_given_flags_names_only_what_the_command_line_set():
 
 
 # ---------------------------------------------------------------------------
-# Declared constraints (common.option's bounds / choices, common.check_fields)
+# Declared constraints (fields.option's bounds / choices, fields.check_fields)
 # ---------------------------------------------------------------------------
 
 
@@ -445,7 +446,7 @@ def test_given_flags_names_only_what_the_command_line_set():
     ('(0, inf)', [1e-30], [0.0, math.inf], '> 0'),
 ])
 def test_bounds_membership_and_text(text, inside, outside, shown):
-    bounds = common.Bounds.parse(text)
+    bounds = fields.Bounds.parse(text)
     assert all(value in bounds for value in inside)
     assert not any(value in bounds for value in outside)
     assert str(bounds) == shown
@@ -454,18 +455,18 @@ def test_bounds_membership_and_text(text, inside, outside, shown):
 @pytest.mark.parametrize('text', ['1, 2', '[1 2]', '[a, 2]', '{0, 1}'])
 def test_malformed_bounds_fail_when_declared(text):
     with pytest.raises(ValueError):
-        common.option(1, 'x', bounds=text)
+        fields.option(1, 'x', bounds=text)
 
 
 @dataclasses.dataclass(frozen=True)
 class BoundedConfig:
-    count: int = common.option(4, 'a count', bounds='[1, inf)')
-    sizes: Tuple[int, ...] = common.option((8, 8), 'sizes', bounds='[1, inf)')
-    rate: float = common.option(0.5, 'a probability', sweep=True, bounds='[0, 1]')
-    scale: float = common.option(0.0, 'any finite number')
-    cap: Optional[int] = common.option(None, 'optional', bounds='[1, inf)')
-    mode: str = common.option('a', 'a mode', choices=('a', 'b'))
-    big: int = common.option(0, 'an unbounded int')
+    count: int = fields.option(4, 'a count', bounds='[1, inf)')
+    sizes: Tuple[int, ...] = fields.option((8, 8), 'sizes', bounds='[1, inf)')
+    rate: float = fields.option(0.5, 'a probability', sweep=True, bounds='[0, 1]')
+    scale: float = fields.option(0.0, 'any finite number')
+    cap: Optional[int] = fields.option(None, 'optional', bounds='[1, inf)')
+    mode: str = fields.option('a', 'a mode', choices=('a', 'b'))
+    big: int = fields.option(0, 'an unbounded int')
 
 
 @pytest.mark.parametrize('changes,grid,message', [
@@ -482,12 +483,12 @@ class BoundedConfig:
 def test_check_fields_names_the_flag_and_the_rule(changes, grid, message):
     config = dataclasses.replace(BoundedConfig(), **changes)
     with pytest.raises(common.UsageError, match=re.escape(message)):
-        common.check_fields(config, grid)
+        fields.check_fields(config, grid)
 
 
 def test_check_fields_accepts_values_inside_and_unset_optionals():
-    common.check_fields(BoundedConfig())
-    common.check_fields(dataclasses.replace(BoundedConfig(), cap=3, scale=-2.5),
+    fields.check_fields(BoundedConfig())
+    fields.check_fields(dataclasses.replace(BoundedConfig(), cap=3, scale=-2.5),
                         {'rate': [0.0, 1.0]})
 
 
@@ -507,7 +508,7 @@ def test_help_shows_each_constraint(script, capsys):
 def test_every_int_field_declares_its_bounds(script):
     """Counts and sizes all state their range (floats are at least finite)."""
     module = __import__(script)
-    kinds = common.field_kinds(module.Config)
+    kinds = fields.field_kinds(module.Config)
     for field in dataclasses.fields(module.Config):
         kind = kinds[field.name][0]
         if kind is int:

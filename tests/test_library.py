@@ -61,9 +61,9 @@ def test_import_does_not_import_the_harness(algo):
 
 
 def test_algorithm_file_and_common_alone_run_a_sweep(tmp_path):
-    """cp dqn.py common.py into an empty folder: import, then seeds x lr in one jit
+    """cp dqn.py common.py fields.py into an empty folder: import, then seeds x lr in one jit
     (and pg.py, actor_critic.py import there too, without the harness)."""
-    for name in ('common.py', 'policies.py', *(f'{algo}.py' for algo in ALGOS)):
+    for name in ('common.py', 'fields.py', 'policies.py', *(f'{algo}.py' for algo in ALGOS)):
         shutil.copy(os.path.join(ROOT, name), tmp_path / name)
     code = '\n'.join([
         f'import common, {", ".join(ALGOS)}',

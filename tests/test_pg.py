@@ -557,7 +557,7 @@ def test_box_actions_are_clipped_for_the_env_but_learned_unclipped():
 def test_one_step_probe_converges_to_the_better_action():
     config = probe_config('PgProbe-OneStep')
     agent, state, history, _, _ = run_phases(config, epochs=config.epochs)
-    key = common.eval_key(0.0, 1)
+    key = common.return_tag(0.0, 1)
     assert float(history[-1][key][0]) == 1.0
     assert float(history[0]['rl/avg_return'][0]) < 0.6  # it started near uniform
     logits = common.mlp(jax.tree.map(lambda x: x[0], state.params['net']), jnp.ones(2))
@@ -567,7 +567,7 @@ def test_one_step_probe_converges_to_the_better_action():
 def test_observation_dependent_probe_converges_to_the_best_action_per_state():
     config = probe_config('PgProbe-Match', epochs=40)
     agent, state, history, _, _ = run_phases(config, epochs=config.epochs)
-    assert float(history[-1][common.eval_key(0.0, 1)][0]) == 1.0
+    assert float(history[-1][common.return_tag(0.0, 1)][0]) == 1.0
     net = jax.tree.map(lambda x: x[0], state.params['net'])
     probs = jax.nn.softmax(common.mlp(net, jnp.eye(2)), axis=-1)
     assert float(probs[0, 0]) > 0.9 and float(probs[1, 1]) > 0.9
@@ -580,7 +580,7 @@ def test_gaussian_probe_converges_to_the_best_continuous_action():
     net = jax.tree.map(lambda x: x[0], state.params['net'])
     mean = float(common.mlp(net, jnp.ones(2))[0])  # Box(-1, 1): centre 0, half-width 1
     assert mean == pytest.approx(0.5, abs=0.1)
-    assert float(history[-1][common.eval_key(0.0, 1)][0]) > -0.01
+    assert float(history[-1][common.return_tag(0.0, 1)][0]) > -0.01
     assert float(state.params['log_std'][0, 0]) < -0.5  # it grew more certain
 
 
@@ -634,7 +634,7 @@ def test_defaults_solve_cartpole(tmp_path, cache):
     """`python pg.py --seed 0`: the default config reaches greedy >= 475 on CartPole-v1."""
     out = str(tmp_path / 'cartpole')
     metrics = pg.main(['--seed', '0', '--output-dir', out, '--quiet', *cache])
-    key = common.eval_key(0.0, 500)
+    key = common.return_tag(0.0, 500)
     assert float(metrics[key][0]) >= 475
     summary = json.load(open(os.path.join(out, 'summary.json')))
     assert summary['algorithm'] == 'pg' and summary['final_eval_key'] == key
@@ -713,7 +713,7 @@ def test_one_epoch_on_every_gymnax_env(env_name):
     assert 1 <= int(metrics['rl/new_interactions'][0]) <= 16
     assert int(metrics['rl/n_trajectories'][0]) == 2
     assert np.isfinite(float(metrics['metrics/policy_loss'][0]))
-    assert np.isfinite(float(metrics[common.eval_key(0.0, 8)][0]))
+    assert np.isfinite(float(metrics[common.return_tag(0.0, 8)][0]))
     assert all(np.all(np.isfinite(leaf)) for leaf in jax.tree.leaves(state.params))
     assert int(state.train_step[0]) == 1
 
@@ -796,7 +796,7 @@ def test_policy_learns_the_image_probe_through_the_conv_torso():
     agent, state, history, _, _ = run_phases(config, epochs=config.epochs)
     net = first_run(state.params['net'])
     assert set(net) == {'conv', 'mlp'} and net['conv'][0]['w'].shape == (3, 3, 2, 4)
-    assert float(history[-1][common.eval_key(*agent.eval_tags[0])][0]) == 1.0
+    assert float(history[-1][common.return_tag(*agent.eval_tags[0])][0]) == 1.0
     cells = jnp.arange(25)
     obs = jnp.concatenate([jax.vmap(probe_envs.image_observation, (0, None))(cells, 1.0),
                            jax.vmap(probe_envs.image_observation, (0, None))(cells, -1.0)])

@@ -145,7 +145,7 @@ def test_the_cell_over_a_stored_sequence_equals_the_rollouts_stepping(name):
 def final_greedy(module, config, seed=0, num_seeds=2):
     agent = module.make_agent(config)
     _, _, metrics = common.run_sweep(agent, config, seed=seed, num_seeds=num_seeds)
-    return np.asarray(metrics[common.eval_key(0.0, agent.max_steps)][-1])
+    return np.asarray(metrics[common.return_tag(0.0, agent.max_steps)][-1])
 
 
 CUE_PPO = dict(env=probe_envs.CUE_PROBE, hidden_sizes=(16,), gru_size=16, n_envs=8,

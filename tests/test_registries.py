@@ -19,6 +19,7 @@ sys.path.insert(0, ROOT)
 
 import actor_critic as ac  # noqa: E402
 import common  # noqa: E402
+import fields  # noqa: E402
 import dqn  # noqa: E402
 from harness import flags  # noqa: E402
 
@@ -54,8 +55,8 @@ def added(request):
 
 def short_run(module, argv):
     """The flags as both command lines parse them -> common.run_sweep's metrics."""
-    typed, _ = common.parse_flags(module.Config, argv)
-    config, grid = common.config_and_grid(module.Config, typed)
+    typed, _ = fields.parse_flags(module.Config, argv)
+    config, grid = fields.config_and_grid(module.Config, typed)
     _, state, metrics = common.run_sweep(module.make_agent(config), config, num_seeds=2)
     return config, metrics
 
@@ -126,11 +127,11 @@ def test_the_registries_are_the_flags_choices():
     """Each flag takes exactly its registry's keys, an entry added later too."""
     for module, field, registry in ((dqn, 'advantage_estimator', dqn.TARGETS),
                                     (ac, 'policy_loss', ac.POLICY_OBJECTIVES)):
-        typed, _ = common.parse_flags(module.Config, [common.flag(field), 'nope'])
+        typed, _ = fields.parse_flags(module.Config, [fields.flag(field), 'nope'])
         with pytest.raises(common.UsageError, match='must be one of ' + ', '.join(registry)):
-            common.check_fields(module.Config(**typed))
+            fields.check_fields(module.Config(**typed))
         registry['nope'] = next(iter(registry.values()))
         try:
-            common.check_fields(module.Config(**typed))
+            fields.check_fields(module.Config(**typed))
         finally:
             registry.pop('nope')

@@ -358,7 +358,7 @@ def test_formerly_crashing_values_are_refused_before_compiling(algo, flags, need
     assert not os.path.exists(out)
 
 
-# One case per kind of declared constraint (common.option's bounds).
+# One case per kind of declared constraint (fields.option's bounds).
 CONSTRAINT_CLASSES = [
     ('dqn', ['--epochs', '0'], '--epochs must be >= 1'),  # positive int
     ('dqn', ['--epochs', '3000000000'], '--epochs must be at most 2147483647'),  # int32

@@ -172,7 +172,7 @@ def write_run(directory, row_id, seeds, curve, epochs_run=None, plain=False, inf
     config = {**results.row_config(row), 'seed': seeds[0], 'num_seeds': len(seeds)}
     epochs_run = epochs_run or config['epochs']
     evaluated = {epochs_run * (i + 1) // len(curve): returns for i, returns in enumerate(curve)}
-    key = results.common.eval_key(0.0, 500)
+    key = results.common.return_tag(0.0, 500)
     with open(os.path.join(directory, 'config.json'), 'w') as f:
         json.dump(config, f)
     with open(os.path.join(directory, 'metrics.jsonl'), 'w') as f:

@@ -1,0 +1,508 @@
+"""The Config contract and the plain command line of dqn.py, pg.py and
+actor_critic.py. Copy this file with an algorithm file and common.py; you need
+not read it to change an algorithm: it turns Config fields into flags and
+checks, and runs a script where harness/ (the full command line) is absent.
+
+  - option() declares a field with its help, bounds, choices and whether it
+    sweeps; check_grid() applies those and an algorithm's cross-field rules;
+  - check_inert() refuses a field set where it cannot act;
+  - plain_main() is an algorithm's main() without harness/: flags, checks,
+    metrics.jsonl, config.json and summary.json.
+"""
+
+import dataclasses
+import decimal
+import json
+import math
+import os
+import re
+import sys
+import time
+import typing
+
+import jax
+import numpy as np
+
+import common
+
+# Config fields carry their help and constraint; check_grid applies them and an
+# algorithm's cross-field rules for every caller (harness, plain_main, Python).
+
+
+def option(default, help, sweep=False, bounds=None, choices=None, aliases=()):
+    """A config field with its --help line and constraint. `sweep`: a comma list is
+    a grid. `bounds`: '[1, inf)', '(0, 1]' (floats finite unless closed on inf).
+    `choices`: allowed strings or a registry dict. `aliases`: Trax's flag names."""
+    if bounds is not None:
+        Bounds.parse(bounds)  # a malformed interval fails at import, not at run time
+    return dataclasses.field(default=default, metadata={
+        'help': help, 'sweep': sweep, 'bounds': bounds, 'choices': choices,
+        'aliases': tuple(aliases)})
+
+
+INT32_MAX = 2 ** 31 - 1  # counters and sizes live in int32 arrays
+
+
+def check_int32_products(products):
+    """common.UsageError naming the first product past int32, which the program counts
+    and indexes in: `products` is [(what it counts, [(flag, value), ...])]."""
+    for what, factors in products:
+        value = math.prod(int(factor) for _, factor in factors)
+        if value > INT32_MAX:
+            said = ' x '.join(f'{flag} {factor}' for flag, factor in factors)
+            raise common.UsageError(f'{what} per run would be {said} = {value}, past {INT32_MAX}, the '
+                             'largest int32, which the program counts in; lower one of them')
+
+
+def env_steps_factors(config, n_envs, steps, max_steps):
+    """The flags behind a run's env steps per epoch: --n-interactions-per-epoch,
+    or --n-trajectories-per-epoch episodes of up to `max_steps` steps."""
+    if config.n_trajectories_per_epoch:
+        cap = (('--max-steps', max_steps) if getattr(config, 'max_steps', None)
+               else (f"{config.env}'s episode cap", max_steps))
+        return [('--n-trajectories-per-epoch', n_envs), cap]
+    return [('--n-interactions-per-epoch', n_envs * steps)]
+
+
+def step_products(config, env_steps):
+    """The int32 products every algorithm counts: gradient steps, env steps
+    and the learning-rate schedule's steps (for check_int32_products)."""
+    return [
+        ('gradient steps', [('--epochs', config.epochs),
+                            ('--train-steps-per-epoch', config.train_steps_per_epoch)]),
+        ('env steps', [('--epochs', config.epochs), *env_steps]),
+        ("the learning-rate schedule's steps",
+         [('--lr-decay-epochs', config.lr_decay_epochs or config.epochs),
+          ('--train-steps-per-epoch', config.train_steps_per_epoch)])]
+
+
+@dataclasses.dataclass(frozen=True)
+class Bounds:
+    """An interval, written as in maths: '[1, inf)', '(0, 1]', '[0, 1)'."""
+    low: float
+    high: float
+    low_closed: bool
+    high_closed: bool
+
+    @classmethod
+    def parse(cls, text):
+        text = text.strip()
+        if len(text) < 5 or text[0] not in '[(' or text[-1] not in '])' or ',' not in text:
+            raise ValueError(f'bounds {text!r}: expected an interval like "[0, 1)"')
+        low, high = (float(part) for part in text[1:-1].split(','))
+        return cls(low, high, text[0] == '[', text[-1] == ']')
+
+    def __contains__(self, value):
+        above = value >= self.low if self.low_closed else value > self.low
+        below = value <= self.high if self.high_closed else value < self.high
+        return above and below
+
+    def __str__(self):
+        def number(x):
+            return ('-inf' if x < 0 else 'inf') if math.isinf(x) else f'{x:g}'
+        if math.isinf(self.high) and not self.high_closed:
+            return f'{">=" if self.low_closed else ">"} {number(self.low)}'
+        return (f'in {"[" if self.low_closed else "("}{number(self.low)}, '
+                f'{number(self.high)}{"]" if self.high_closed else ")"}')
+
+
+def flag(name):
+    """A field's flag: kebab-case, a keyword's trailing '_' dropped (--lambda)."""
+    return '--' + name.rstrip('_').replace('_', '-')
+
+
+def field_kinds(config_cls):
+    """{field: (element type, is_tuple, optional)}, read off the annotations."""
+    kinds = {}
+    for name, annotation in typing.get_type_hints(config_cls).items():
+        args = typing.get_args(annotation)
+        optional = type(None) in args  # Optional[X] / X | None
+        if optional:
+            annotation = next(a for a in args if a is not type(None))
+        is_tuple = typing.get_origin(annotation) is tuple
+        kinds[name] = (typing.get_args(annotation)[0] if is_tuple else annotation, is_tuple,
+                       optional)
+    return kinds
+
+
+def constraint_text(field, kind):
+    """The constraint as --help shows it, e.g. 'in (0, 1]' or '>= 1' ('' if none)."""
+    if field.metadata.get('choices'):
+        return 'one of ' + ', '.join(field.metadata['choices'])
+    if field.metadata.get('bounds'):
+        return str(Bounds.parse(field.metadata['bounds']))
+    return 'finite' if kind is float else ''
+
+
+def _is(kind, value):
+    """Is `value` of a field's element type (an int passes for a float)?"""
+    if kind is bool or isinstance(value, (bool, np.bool_)):
+        return kind is bool and isinstance(value, (bool, np.bool_))
+    numbers = {int: (int, np.integer), float: (int, float, np.integer, np.floating)}
+    return isinstance(value, numbers.get(kind, kind))
+
+
+def _value_error(field, kinds, value):
+    """Why one value (of the config, or of a sweep) breaks the field's type or
+    constraint, or None if it is fine."""
+    kind, is_tuple, optional = kinds
+    if value is None:
+        return None if optional else 'must be set'
+    if is_tuple and not (isinstance(value, tuple) and all(_is(kind, v) for v in value)):
+        return f'must be a tuple of {kind.__name__}'
+    if not is_tuple and not _is(kind, value):
+        return f'must be {kind.__name__}'
+    for entry in (value if is_tuple else (value,)):
+        why = _entry_error(field, kind, entry)
+        if why:
+            return ('entries ' if is_tuple else '') + why
+    return None
+
+
+def _entry_error(field, kind, value):
+    choices, bounds = field.metadata.get('choices'), field.metadata.get('bounds')
+    if choices and value not in choices:
+        return f'must be {constraint_text(field, kind)}'
+    if kind not in (int, float):
+        return None
+    interval = Bounds.parse(bounds) if bounds else None
+    if kind is float and math.isnan(value):
+        return 'must be a number'
+    if kind is float and math.isinf(value) and not (interval and value in interval):
+        return 'must be finite'
+    if interval is not None and value not in interval:
+        return f'must be {interval}'
+    if kind is int and abs(value) > INT32_MAX:
+        return f'must be at most {INT32_MAX} in size (int32)'
+    return None
+
+
+def check_fields(config, grid=None):
+    """Every field's type and constraint on every value (tuple entries, `grid`'s
+    values): common.UsageError naming the flag."""
+    check_grid_fields(config, grid)
+    kinds = field_kinds(type(config))
+    for field in dataclasses.fields(config):
+        for value in (grid or {}).get(field.name, [getattr(config, field.name)]):
+            why = _value_error(field, kinds[field.name], value)
+            if why:
+                raise common.UsageError(f'{flag(field.name)} {why}, got {_show(value)}')
+
+
+def check_grid_fields(config, grid):
+    if not isinstance(grid or {}, dict):
+        raise common.UsageError(f'grid must be a dict {{field: [values]}}, got {grid!r}')
+    unknown = sorted(set(grid or {}) - set(common.sweep_fields(config)))
+    if unknown:
+        raise common.UsageError(f'grid fields {unknown} are not sweepable; sweepable: '
+                         + ', '.join(common.sweep_fields(config)))
+    for name, values in (grid or {}).items():
+        if not isinstance(values, (list, tuple)) or not values:
+            raise common.UsageError(f'grid[{name!r}] must be a non-empty list of values, '
+                             f'got {values!r}')
+
+
+def show_float(value):
+    """A float as short as `g` writes it where that is the same number, else
+    in full (repr): 1.0000001 must not read as 1 beside the bound it breaks."""
+    short = f'{value:g}'
+    return short if float(short) == value or not math.isfinite(value) else repr(value)
+
+
+def _show(value):
+    if isinstance(value, tuple):
+        return ','.join(show_float(v) if isinstance(v, float) else str(v) for v in value)
+    return show_float(value) if isinstance(value, float) else repr(value) if isinstance(
+        value, str) else str(value)
+
+
+def _show32(value):
+    """A float32 value, as short as names it exactly (0.99999994, not 1)."""
+    short = f'{value:g}'
+    return short if as_float32(float(short)) == value else str(np.float32(value))
+
+
+def as_float32(value):
+    with np.errstate(over='ignore', under='ignore'):
+        return float(np.float32(value))
+
+
+def float32_values(config, grid):
+    """(config, grid) with every float as float32 holds it: what the program sees."""
+    kinds = field_kinds(type(config))
+
+    def cast(name, value):
+        if value is None or kinds[name][0] is not float:
+            return value
+        return tuple(map(as_float32, value)) if kinds[name][1] else as_float32(value)
+    return (dataclasses.replace(config, **{name: cast(name, getattr(config, name))
+                                           for name in kinds}),
+            {name: [cast(name, v) for v in values] for name, values in (grid or {}).items()})
+
+
+def check_grid(config, grid, check_runs):
+    """Each field's type and constraint, then the algorithm's cross-field rules
+    (`check_runs(config, runs)`), on the values given and on those float32 holds
+    (--gamma 0.99999999 is 1, --lr 1e300 inf): common.UsageError naming them."""
+    def check(config, grid):
+        check_fields(config, grid)
+        check_runs(config, common.expand_runs(config, grid, 0, 1))
+    check(config, grid)
+    try:
+        check(*float32_values(config, grid))
+    except common.UsageError as error:
+        kinds = field_kinds(type(config))
+        entries = [(name, e) for name, (kind, is_tuple, _) in kinds.items() if kind is float
+                   for v in (grid or {}).get(name, [getattr(config, name)]) if v is not None
+                   for e in (v if is_tuple else (v,))]
+        moved = ', '.join(f'{flag(name)} {e!r} is {_show32(as_float32(e))}'
+                          for name, e in entries if float(f'{as_float32(e):.7g}') != e)
+        raise common.UsageError(f'{error} (in float32, the precision the program computes in: '
+                         f'{moved})') from None
+
+
+def check_inert(config, inert, given=None):
+    """Refuse a field that cannot act (`inert`: {field: why}) set off its default
+    (saved, it would bind a resume and change nothing). `given`: {field a command
+    line set: None if typed, else its source}; None (Python): every field."""
+    defaults = {field.name: field.default for field in dataclasses.fields(config)}
+    for name, why in inert.items():
+        if (given is None or name in given) and getattr(config, name) != defaults[name]:
+            source = (given or {}).get(name) if isinstance(given, dict) else None
+            raise common.UsageError(f'{flag(name)} {why}' + (
+                f' (it came from {source}: give {flag(name)} {_show(defaults[name])} to '
+                'override it)' if source else ''))
+
+
+def shared_inert(config, torso, env_params):
+    """{field: why it cannot act} for fields every Config has: the schedule's,
+    evaluation's and the conv torso's (`torso`: the resolved one)."""
+    factors = common.schedule_factors(config.lr_schedule)
+    inert = {name: (f'has no effect: --lr-schedule {config.lr_schedule!r} has no '
+                    f'{" or ".join(needs)} factor')
+             for name, needs in (('lr', ('constant',)), ('lr_decay_epochs', ('linear_decay',)),
+                                 ('warmup_steps', ('linear_warmup', 'rsqrt_decay')))
+             if not set(needs) & set(factors)}
+    if torso != 'conv':
+        inert['conv_channels'] = ('acts with the conv torso only (--torso conv, or auto on '
+                                  f'[height, width, channels] observations); {config.env}\'s '
+                                  'observations are flat')
+    if config.n_eval_episodes == 0:
+        inert.update(dict.fromkeys(('eval_steps', 'eval_temperatures', 'eval_every'),
+                                   'has no effect with --n-eval-episodes 0 (no evaluation)'))
+    cap = getattr(env_params, 'max_steps_in_episode', None)
+    if cap is not None and config.eval_steps and max(config.eval_steps) > cap:
+        inert['eval_steps'] = (f'{max(config.eval_steps)}: episodes of {config.env} end by '
+                               f'step {int(cap)} (--max-steps), so a longer horizon evaluates '
+                               f'the same; use at most {int(cap)}')
+    return inert
+
+
+
+# The plain command line where harness/ is absent: every Config field a flag,
+# metrics.jsonl bitwise the full command line's for the same flags -----------
+
+HARNESS_ADDS = ('no harness/ here, so a plain run that writes metrics.jsonl; copy harness/ '
+                'for checkpoints, resume, TensorBoard, sweeps over devices, processes, plots')
+RUN_FLAGS = {'seed': 0, 'num_seeds': 1, 'output_dir': None}
+CHUNK_EPOCHS = 256  # epochs per compiled call at most: the metric buffers' length
+
+
+def parse_value(kind, text):
+    """One value of a flag as `kind`; an int exactly ('1e3' is 1000; '2.5',
+    'inf' and '1e999' are refused), never through a float."""
+    try:
+        if kind is not int:
+            return kind(text)
+        value = decimal.Decimal(text)
+        if value.is_finite() and value.adjusted() <= 30 and value == value.to_integral_value():
+            return int(value)
+    except (ValueError, decimal.InvalidOperation):
+        pass
+    raise common.UsageError(f'expected {kind.__name__}, got {text!r}')
+
+
+def parse_field(field, kinds, text, name):
+    """A flag's text as its field's value: a comma list for a tuple, or for a
+    sweep field a list of 2+ values (a grid); 'none' for an unset Optional."""
+    kind, is_tuple, optional = kinds
+    if optional and text.lower() in ('none', ''):
+        return None
+    values = [parse_value(kind, part.strip()) for part in text.split(',') if part.strip()]
+    if not values:
+        raise common.UsageError(f'{name}: empty value')
+    if is_tuple:
+        return tuple(values)
+    if len(values) > 1 and not field.metadata.get('sweep'):
+        raise common.UsageError(f'{name} takes one value (it changes shapes or the program), '
+                         f'got {text!r}')
+    return values if len(values) > 1 else values[0]
+
+
+def parse_flags(config_cls, argv):
+    """argv -> ({field: value} of the flags given, {run flag: value})."""
+    fields, kinds = {f.name: f for f in dataclasses.fields(config_cls)}, field_kinds(config_cls)
+    names = {flag(name): name for name in RUN_FLAGS}
+    for field in fields.values():
+        for name in (flag(field.name), '--' + field.name.replace('_', '-'),
+                     *field.metadata.get('aliases', ())):
+            names[name] = field.name
+    typed, run, argv = {}, dict(RUN_FLAGS), list(argv)
+    while argv:
+        arg = argv.pop(0)
+        name, equals, text = arg.partition('=')
+        negated = names.get('--' + name[5:]) if name.startswith('--no-') else None
+        field = names.get(name) or negated
+        if field is None:
+            raise common.UsageError(f'unrecognized argument {arg!r} (--help lists the flags)')
+        if kinds.get(field, (None,))[0] is bool:  # --flag / --no-flag
+            if equals:
+                raise common.UsageError(f'argument {name}: ignored explicit argument {text!r}')
+            typed[field] = negated is None
+            continue
+        if not equals:
+            if not argv:
+                raise common.UsageError(f'{name} needs a value')
+            text = argv.pop(0)
+        try:
+            if field in fields:
+                typed[field] = parse_field(fields[field], kinds[field], text, name)
+            else:
+                run[field] = text if field == 'output_dir' else parse_value(int, text)
+        except common.UsageError as error:  # as argparse says it
+            raise common.UsageError(f'argument {name}: {error}') from None
+    return typed, run
+
+
+def env_settings(config_cls, table, typed, mode_field=None):
+    """The settings of the env asked for that no typed flag overrides; None
+    when the entry was tuned for another `mode_field` value (actor_critic's
+    policy_loss) than the one typed: then none of it applies."""
+    entry = table.get(typed.get('env', config_cls.env), {})
+    if mode_field in entry and mode_field in typed and typed[mode_field] != entry[mode_field]:
+        return None
+    return {name: value for name, value in entry.items() if name not in typed}
+
+
+# A refusal of a field that cannot act with the other flags (check_inert's, or
+# an algorithm's cross-field rule): `--max-slice-length acts with --torso gru only`.
+_INERT = re.compile(r'--([a-z0-9-]+) (?:acts with|acts on|has no effect|needs|takes effect)')
+
+
+def inert_setting(error, applied, typed):
+    """The env setting (a key of `applied`, not typed) that `error` refuses as
+    unable to act with the flags typed, or None. Such a setting is dropped, not
+    refused: `--env MetaMaze-misc --torso mlp` runs without the GRU's settings."""
+    named = _INERT.match(str(error))
+    field = named and next((name for name in (named.group(1).replace('-', '_'),
+                                              named.group(1).replace('-', '_') + '_')
+                            if name in applied), None)
+    return field if field and field not in typed else None
+
+
+def config_and_grid(config_cls, values):
+    """(config with each sweep field at its first value, {field: [values]}),
+    the grid in field order (its outer loop first)."""
+    grid = {f.name: values[f.name] for f in dataclasses.fields(config_cls)
+            if isinstance(values.get(f.name), list)}
+    return config_cls(**{name: value[0] if name in grid else value
+                         for name, value in values.items()}), grid
+
+
+def plain_main(config_cls, make_agent, settings, argv=None, mode_field=None):
+    """An algorithm script's main() without harness/: parse, check as the
+    full command line does (one line, exit 2), run, write metrics.jsonl."""
+    prog = os.path.basename(sys.argv[0]) if argv is None else f'{config_cls.__module__}.py'
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if {'-h', '--help'} & set(argv):
+        kinds = field_kinds(config_cls)
+        print(f'usage: {prog} [--FIELD VALUE ...] [--seed N] [--num-seeds N] [--output-dir '
+              f'DIR]\n{HARNESS_ADDS}')
+        for f in dataclasses.fields(config_cls):
+            constraint = constraint_text(f, kinds[f.name][0])
+            print(f'  {flag(f.name)}: {f.metadata["help"]}'
+                  + (f' {{{constraint}}}' if constraint else '') + f' (default: {f.default})')
+        return {}
+    try:
+        common.check_precision()
+        typed, run = parse_flags(config_cls, argv)
+        table = settings(typed) if callable(settings) else settings
+        applied, dropped = env_settings(config_cls, table, typed, mode_field) or {}, {}
+        if not (1 <= run['num_seeds'] and 0 <= run['seed']
+                and run['seed'] + run['num_seeds'] - 1 <= INT32_MAX):
+            raise common.UsageError(f'--seed and --num-seeds: seeds {run["seed"]}.. must be int32')
+        if run['output_dir'] and os.path.exists(os.path.join(run['output_dir'], 'metrics.jsonl')):
+            raise common.UsageError(f'--output-dir {run["output_dir"]} holds a run\'s metrics.jsonl: '
+                             'choose another (harness/ resumes runs)')
+        while True:  # an env setting the typed flags make inert is dropped (inert_setting)
+            config, grid = config_and_grid(config_cls, {**applied, **typed})
+            try:
+                agent = make_agent(config, given={
+                    **dict.fromkeys(applied, f"{config.env}'s settings"), **dict.fromkeys(typed)})
+                check_grid(config, grid, agent.check_runs)
+                break
+            except common.UsageError as error:
+                name = inert_setting(error, applied, typed)
+                if name is None:
+                    raise
+                dropped[name] = applied.pop(name)
+    except common.UsageError as error:
+        print(f'{prog}: error: {error}', file=sys.stderr, flush=True)
+        sys.exit(2)
+    print(f'{prog}: {HARNESS_ADDS}', file=sys.stderr, flush=True)
+    if applied or dropped:
+        print(f'{prog}: settings for {config.env}: {applied}'
+              + (f'; not applied (inert with the flags given): {dropped}' if dropped else ''))
+    return plain_run(agent, config, grid, **run)
+
+
+def plain_run(agent, config, grid, seed, num_seeds, output_dir):
+    """Seeds x grid in the command line's compiled programs, a chunk of epochs up
+    to each evaluation; metrics.jsonl rewritten atomically after each chunk."""
+    length, period = min(CHUNK_EPOCHS, config.epochs), common.evaluation_period(config)
+    runs, hp, state, chunk = common.compiled_runs(agent, config, grid, seed, num_seeds, length)
+    output_dir = output_dir or os.path.join(
+        'runs', f'{agent.name}_{config.env}_s{seed}_{time.strftime("%Y%m%d-%H%M%S")}')
+    os.makedirs(output_dir, exist_ok=True)
+    path, lines, epoch, evaluated = os.path.join(output_dir, 'metrics.jsonl'), [], 0, {}
+    recent = np.full(len(runs), np.nan)  # each run's latest finished episodes' return
+    tags = {common.return_tag(*tag) for tag in agent.eval_tags}
+    while epoch < config.epochs:
+        n, start = min(length, config.epochs - epoch, period - epoch % period), time.time()
+        state, metrics, _ = chunk(hp, state, *common.plan(config, epoch, n))
+        metrics, seconds = jax.tree.map(np.asarray, metrics), (time.time() - start) / n
+        for i in range(n):
+            epoch += 1
+            due = common.evaluation_due(epoch, config.epochs, period)
+            values = {name: value[:, i] for name, value in metrics.items()
+                      if due or name not in tags}
+            values['rl/n_interactions_per_second'] = values.pop('rl/new_interactions') / seconds
+            values['timing/epoch'] = np.full(len(runs), seconds)
+            lines += [json.dumps(record) + '\n' for record in metric_records(epoch, values, runs)]
+            evaluated.update({k: v for k, v in values.items() if k.startswith('rl/avg_return_t')})
+            recent = np.where(np.isfinite(values['rl/avg_return']), values['rl/avg_return'], recent)
+        with open(path + f'.tmp-{os.getpid()}', 'w') as f:
+            f.write(''.join(lines))
+        os.replace(path + f'.tmp-{os.getpid()}', path)
+        shown = [f'return {_mean(recent):.1f}'] + [
+            f'eval {name[len("rl/avg_return_"):]} {_mean(value):.1f}'
+            for name, value in evaluated.items()]
+        print(f'epoch {epoch}/{config.epochs} | ' + ' | '.join(shown)
+              + f' | {seconds:.2f}s/epoch', flush=True)
+    greedy = [v for k, v in evaluated.items() if '_temperature0.00_' in k] or [np.nan]
+    print(f'done: {len(runs)} run(s), final greedy return {_mean(greedy[-1]):.1f}, '
+          f'results in {output_dir}')
+    return values
+
+
+def _mean(values):
+    values = np.asarray(values, np.float64)
+    return values[np.isfinite(values)].mean() if np.isfinite(values).any() else np.nan
+
+
+def metric_records(epoch, metrics, runs):
+    """One JSON record per run for an epoch's {name: array [n_runs]}; null for
+    a value that is not finite."""
+    return [{'epoch': epoch, 'run': index, **run,
+             **{name: float(v[index]) if math.isfinite(float(v[index])) else None
+                for name, v in metrics.items()}} for index, run in enumerate(runs)]
