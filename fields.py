@@ -402,11 +402,28 @@ def inert_setting(error, applied, typed):
 
 def config_and_grid(config_cls, values):
     """(config with each sweep field at its first value, {field: [values]}),
-    the grid in field order (its outer loop first)."""
+    the grid in field order (its outer loop first). An unset --lr-decay-epochs
+    is pinned to --epochs where the schedule decays linearly, so a resume
+    with more --epochs keeps the schedule (without linear_decay it cannot act:
+    pinned, a resume would refuse it as a field set to no effect)."""
     grid = {f.name: values[f.name] for f in dataclasses.fields(config_cls)
             if isinstance(values.get(f.name), list)}
-    return config_cls(**{name: value[0] if name in grid else value
-                         for name, value in values.items()}), grid
+    config = config_cls(**{name: value[0] if name in grid else value
+                           for name, value in values.items()})
+    if getattr(config, 'lr_decay_epochs', 0) is None and decays_linearly(
+            {'lr_schedule': config.lr_schedule, 'grid': grid}):
+        config = dataclasses.replace(config, lr_decay_epochs=config.epochs)
+    return config, grid
+
+
+def decays_linearly(config):
+    """Has a config's lr schedule (a dict's 'lr_schedule', or any of its
+    grid's values) the linear_decay factor, the one --lr-decay-epochs acts on?"""
+    schedules = config.get('lr_schedule')
+    schedules = [*(schedules if isinstance(schedules, (list, tuple)) else [schedules]),
+                 *((config.get('grid') or {}).get('lr_schedule') or [])]
+    return any('linear_decay' in [factor.strip() for factor in str(schedule).split('*')]
+               for schedule in schedules)
 
 
 def plain_main(config_cls, make_agent, settings, argv=None, mode_field=None):
@@ -458,13 +475,19 @@ def plain_main(config_cls, make_agent, settings, argv=None, mode_field=None):
 
 def plain_run(agent, config, grid, seed, num_seeds, output_dir):
     """Seeds x grid in the command line's compiled programs, a chunk of epochs up
-    to each evaluation; metrics.jsonl rewritten atomically after each chunk."""
+    to each evaluation: config.json first, metrics.jsonl rewritten after each
+    chunk, summary.json last, each written atomically with the CLI's keys."""
+    wall_start = time.time()
     length, period = min(CHUNK_EPOCHS, config.epochs), common.evaluation_period(config)
     runs, hp, state, chunk = common.compiled_runs(agent, config, grid, seed, num_seeds, length)
+    compile_s = time.time() - wall_start
     output_dir = output_dir or os.path.join(
         'runs', f'{agent.name}_{config.env}_s{seed}_{time.strftime("%Y%m%d-%H%M%S")}')
     os.makedirs(output_dir, exist_ok=True)
-    path, lines, epoch, evaluated = os.path.join(output_dir, 'metrics.jsonl'), [], 0, {}
+    _write(os.path.join(output_dir, 'config.json'), json.dumps(
+        {'algorithm': agent.name, **dataclasses.asdict(config), 'grid': grid, 'seed': seed,
+         'num_seeds': num_seeds}, indent=2))
+    history, epoch, evaluated = [], 0, {}
     recent = np.full(len(runs), np.nan)  # each run's latest finished episodes' return
     tags = {common.return_tag(*tag) for tag in agent.eval_tags}
     while epoch < config.epochs:
@@ -478,21 +501,27 @@ def plain_run(agent, config, grid, seed, num_seeds, output_dir):
                       if due or name not in tags}
             values['rl/n_interactions_per_second'] = values.pop('rl/new_interactions') / seconds
             values['timing/epoch'] = np.full(len(runs), seconds)
-            lines += [json.dumps(record) + '\n' for record in metric_records(epoch, values, runs)]
-            evaluated.update({k: v for k, v in values.items() if k.startswith('rl/avg_return_t')})
+            history += metric_records(epoch, values, runs)
+            evaluated.update({k: v for k, v in values.items() if k in tags})
             recent = np.where(np.isfinite(values['rl/avg_return']), values['rl/avg_return'], recent)
-        with open(path + f'.tmp-{os.getpid()}', 'w') as f:
-            f.write(''.join(lines))
-        os.replace(path + f'.tmp-{os.getpid()}', path)
+        _write(os.path.join(output_dir, 'metrics.jsonl'),
+               ''.join(json.dumps(record) + '\n' for record in history))
         shown = [f'return {_mean(recent):.1f}'] + [
             f'eval {name[len("rl/avg_return_"):]} {_mean(value):.1f}'
             for name, value in evaluated.items()]
         print(f'epoch {epoch}/{config.epochs} | ' + ' | '.join(shown)
               + f' | {seconds:.2f}s/epoch', flush=True)
-    greedy = [v for k, v in evaluated.items() if '_temperature0.00_' in k] or [np.nan]
-    print(f'done: {len(runs)} run(s), final greedy return {_mean(greedy[-1]):.1f}, '
-          f'results in {output_dir}')
+    result = summary(agent, config, runs, grid, history, time.time() - wall_start, compile_s)
+    _write(os.path.join(output_dir, 'summary.json'), json.dumps(result, indent=2))
+    print('\n'.join(result_lines(result, output_dir)), flush=True)
     return values
+
+
+def _write(path, text):
+    """`text` into `path` through a temp file and a rename: never half written."""
+    with open(f'{path}.tmp-{os.getpid()}', 'w') as f:
+        f.write(text)
+    os.replace(f'{path}.tmp-{os.getpid()}', path)
 
 
 def _mean(values):
@@ -506,3 +535,101 @@ def metric_records(epoch, metrics, runs):
     return [{'epoch': epoch, 'run': index, **run,
              **{name: float(v[index]) if math.isfinite(float(v[index])) else None
                 for name, v in metrics.items()}} for index, run in enumerate(runs)]
+
+
+# What a run reports, from harness/ and the plain command line alike:
+# summary.json (with one entry per grid point) and the final line -----------
+
+def final_return_tag(agent, config):
+    """The greedy evaluation summary.json reports: temperature 0 at the
+    episode cap if evaluated, else the longest greedy horizon, else the first
+    tag; None without evaluation."""
+    if not agent.eval_tags or getattr(config, 'n_eval_episodes', 1) == 0:
+        return None
+    greedy = [tag for tag in agent.eval_tags if tag[0] == 0]
+    return common.return_tag(*(max(greedy, key=lambda tag: tag[1]) if greedy
+                               else agent.eval_tags[0]))
+
+
+def last_evaluation(history, tag):
+    """The last epoch of `history` (metric records) evaluated under `tag`, or None."""
+    return max((r['epoch'] for r in history if tag and r.get(tag) is not None), default=None)
+
+
+def seed_figures(values):
+    """{'iqm', 'mean', 'worst', 'seeds'} of a point's final returns (finite ones):
+    the IQM is scipy's trim_mean(x, 0.25), the mean of the middle half."""
+    values = np.sort(np.asarray([v for v in values if v is not None], np.float64))
+    values = values[np.isfinite(values)]
+    if not values.size:
+        return {'iqm': None, 'mean': None, 'worst': None, 'seeds': 0}
+    cut = int(0.25 * values.size)
+    return {'iqm': float(values[cut:values.size - cut].mean()), 'mean': float(values.mean()),
+            'worst': float(values[0]), 'seeds': int(values.size)}
+
+
+def grid_points(grid, runs, finals):
+    """summary.json's "points": per grid point its swept values under their
+    field names and its seeds' figures (seed_figures), in the runs' order."""
+    points = {}
+    for run, final in zip(runs, finals):
+        points.setdefault(tuple(run[name] for name in grid), []).append(final)
+    return [{**dict(zip(grid, point)), **seed_figures(values)}
+            for point, values in points.items()]
+
+
+def summary(agent, config, runs, grid, history, wall_s, compile_s, batch_invariant=True):
+    """summary.json: the final greedy returns (the latest evaluation: the last
+    epoch's unless a time limit stopped the run between two) and per point."""
+    final_epoch = max((record['epoch'] for record in history), default=0)
+    final = sorted((r for r in history if r['epoch'] == final_epoch), key=lambda r: r['run'])
+    tag = final_return_tag(agent, config)
+    eval_epoch = last_evaluation(history, tag)
+    evaluated = sorted((r for r in history if r['epoch'] == eval_epoch), key=lambda r: r['run'])
+    finals = [r.get(tag) for r in (evaluated if eval_epoch else final)]
+    return {'algorithm': agent.name, 'env': config.env, 'seeds': [run['seed'] for run in runs],
+            'runs': runs, 'epochs': final_epoch,
+            'env_steps_per_seed': [r.get('rl/n_interactions') for r in final],
+            'final_eval_return': finals, 'final_eval_key': tag, 'final_eval_epoch': eval_epoch,
+            'points': grid_points(grid or {}, runs, finals), 'wall_s': wall_s,
+            'compile_s': compile_s, 'batch_invariant': batch_invariant}
+
+
+def returns_text(values):
+    """'500.0' for one run, else '480.2 (min 401.0)'; 'n/a' without a figure."""
+    values = np.asarray([np.nan if v is None else v for v in values], np.float64)
+    finite = values[np.isfinite(values)]
+    if finite.size == 0:
+        return 'n/a'
+    return f'{finite[0]:.1f}' if values.size == 1 else \
+        f'{finite.mean():.1f} (min {finite.min():.1f})'
+
+
+def point_texts(points):
+    """Each grid point's flags and figures, the best (by IQM, or the mean
+    under 4 seeds; never by its best seed) marked."""
+    name = 'IQM' if min(p['seeds'] for p in points) >= 4 else 'mean'
+    centre = [p[name.lower()] for p in points]
+    best = max((i for i in range(len(points)) if centre[i] is not None),
+               key=lambda i: centre[i], default=None)
+    shown = []
+    for i, point in enumerate(points):
+        swept = ' '.join(f'{flag(k)} {_show(v)}' for k, v in point.items()
+                         if k not in ('iqm', 'mean', 'worst', 'seeds'))
+        figure = 'n/a' if centre[i] is None else f'{name} {centre[i]:.1f}, worst {point["worst"]:.1f}'
+        shown.append(f'{swept}: {figure}' + (' (best)' if i == best else ''))
+    return shown
+
+
+def result_lines(summary, output_dir, one_line=False):
+    """The run's final lines: the greedy return, for a grid one line per
+    point after the first (`one_line`: all in one, as --quiet prints it)."""
+    at = summary['final_eval_epoch']
+    said = '' if at in (None, summary['epochs']) else f" (epoch {at}'s evaluation)"
+    points = point_texts(summary['points']) if len(summary['points']) > 1 else None
+    figure = (returns_text(summary['final_eval_return']) if points is None else
+              'by grid point' + (f': {"; ".join(points)}' if one_line else ' below'))
+    return [f'done: {len(summary["runs"])} run(s), final greedy return {figure}{said}, wall '
+            f'{summary["wall_s"]:.1f}s (compile {summary["compile_s"]:.1f}s), '
+            f'results in {output_dir}'] + ([f'  {point}' for point in points or []
+                                              if not one_line])

@@ -30,16 +30,6 @@ from harness import flags
 from harness import rundir
 
 
-def _mean_min(values):
-    values = np.asarray(values, np.float64)
-    finite = values[np.isfinite(values)]
-    if finite.size == 0:
-        return 'n/a'
-    if values.size == 1:
-        return f'{finite[0]:.1f}'
-    return f'{finite.mean():.1f} (min {finite.min():.1f})'
-
-
 def _duration(seconds):
     seconds = int(round(seconds))
     if seconds >= 3600:
@@ -64,11 +54,11 @@ def epoch_line(epoch, epochs, metrics, recent_return, seconds, seconds_left):
     """
     parts = [f'epoch {epoch:{len(str(epochs))}d}/{epochs}',
              f'steps {int(np.max(metrics["rl/n_interactions"]))}',
-             f'return {_mean_min(recent_return)}']
+             f'return {fields.returns_text(recent_return)}']
     for name in metrics:
         if name.startswith('rl/avg_return_temperature'):
             short = name[len('rl/avg_return_'):].replace('temperature', 'T').replace('_steps', '@')
-            parts.append(f'eval {short} {_mean_min(metrics[name])}')
+            parts.append(f'eval {short} {fields.returns_text(metrics[name])}')
     for name in ('metrics/value_loss', 'metrics/policy_loss', 'metrics/exploration_rate'):
         if name in metrics:
             parts.append(f'{name.split("/")[1]} {float(np.nanmean(metrics[name])):.4g}')
@@ -231,7 +221,7 @@ def _in_finaliser(frame):
 def config_differences(saved, current):
     differing = sorted(name for name in set(saved) | set(current)
                        if name not in HARMLESS_FIELDS and saved.get(name) != current.get(name))
-    if not any(flags.decays_linearly(config) for config in (saved, current)):
+    if not any(fields.decays_linearly(config) for config in (saved, current)):
         # --lr-decay-epochs acts on linear_decay alone; runs saved before it was
         # left unpinned without that factor hold --epochs there, harmlessly
         differing = [name for name in differing if name != 'lr_decay_epochs']
@@ -736,7 +726,7 @@ def _only_eval(run, phases, state, args):
                                     os.path.join(run.output_dir, rundir.PLOT_FILE))
     if not args.quiet:
         for name, values in metrics.items():
-            say(f'epoch {run.start_epoch} {name}: {_mean_min(values)}')
+            say(f'epoch {run.start_epoch} {name}: {fields.returns_text(values)}')
         if args.plot:
             say(f'learning curves of epochs 1-{run.start_epoch} in '
                 f'{os.path.join(run.output_dir, rundir.PLOT_FILE)}')
@@ -1010,70 +1000,27 @@ class _Progress:
 
 
 def _finish(run, args):
-    """summary.json, the optional plot and the final line (process 0's)."""
+    """summary.json, the optional plot and the final line (process 0's; the
+    one line --quiet prints)."""
     if not devices.is_writer():
         return
-    summary = _summary(run.agent, run.config, run.runs, run.history, run.wall_start,
-                       run.compile_s, getattr(args, 'batch_invariant', True))
+    summary = fields.summary(run.agent, run.config, run.runs, run.run_config.get('grid'),
+                             run.history, time.time() - run.wall_start, run.compile_s,
+                             getattr(args, 'batch_invariant', True))
     rundir.atomic_write_bytes(os.path.join(run.output_dir, 'summary.json'),
                        json.dumps(summary, indent=2).encode())
     run.finished = True  # a signal from here on stops nothing that a rerun would redo
     if args.plot:
         rundir.plot_learning_curves(run.history, run.agent, run.config.env,
                                     os.path.join(run.output_dir, rundir.PLOT_FILE))
-    if not args.quiet:
-        finals = summary['final_eval_return']
-        at = summary['final_eval_epoch']
-        said = '' if at in (None, summary['epochs']) else f" (epoch {at}'s evaluation)"
-        say(f'done: {len(run.runs)} run(s), final greedy return {_mean_min(finals)}{said}, '
-            f'wall {summary["wall_s"]:.1f}s (compile {run.compile_s:.1f}s), '
-            f'results in {run.output_dir}')
+    for line in fields.result_lines(summary, run.output_dir, one_line=args.quiet):
+        say(line)
     _signals.stopping = True  # said done: a signal now changes nothing (status 0)
-
-
-def _last_evaluation(history, key):
-    """The last epoch of `history` with an evaluation under `key` (None: none yet)."""
-    return max((r['epoch'] for r in history if key and r.get(key) is not None), default=None)
 
 
 def _evaluation_note(run):
     """Which evaluation summary.json reports, for a run stopped before its last epoch."""
-    epoch = _last_evaluation(run.history, _final_eval_key(run.agent, run.config))
+    epoch = fields.last_evaluation(run.history, fields.final_return_tag(run.agent, run.config))
     if epoch is None:
         return 'no evaluation yet: summary.json has no final_eval_return'
     return f"summary.json's final_eval_return is epoch {epoch}'s evaluation"
-
-
-def _final_eval_key(agent, config):
-    """The greedy evaluation summary.json reports: temperature 0 at the
-    episode cap if evaluated, else the longest greedy horizon, else the first
-    tag; None without evaluation."""
-    if not agent.eval_tags or getattr(config, 'n_eval_episodes', 1) == 0:
-        return None
-    greedy = [tag for tag in agent.eval_tags if tag[0] == 0]
-    tag = max(greedy, key=lambda tag: tag[1]) if greedy else agent.eval_tags[0]
-    return common.return_tag(*tag)
-
-
-def _summary(agent, config, runs, history, wall_start, compile_s, batch_invariant):
-    final_epoch = max((record['epoch'] for record in history), default=0)
-    final = sorted((r for r in history if r['epoch'] == final_epoch), key=lambda r: r['run'])
-    key = _final_eval_key(agent, config)
-    # The latest evaluation: the last epoch's, unless --time-limit stopped the
-    # run between evaluations (then an earlier one's, and final_eval_epoch says which).
-    eval_epoch = _last_evaluation(history, key)
-    evaluated = sorted((r for r in history if r['epoch'] == eval_epoch), key=lambda r: r['run'])
-    return {
-        'algorithm': agent.name,
-        'env': config.env,
-        'seeds': [run['seed'] for run in runs],
-        'runs': runs,
-        'epochs': final_epoch,
-        'env_steps_per_seed': [r.get('rl/n_interactions') for r in final],
-        'final_eval_return': [r.get(key) for r in (evaluated if eval_epoch else final)],
-        'final_eval_key': key,
-        'final_eval_epoch': eval_epoch,
-        'wall_s': time.time() - wall_start,
-        'compile_s': compile_s,
-        'batch_invariant': batch_invariant,
-    }

@@ -327,7 +327,7 @@ def take_saved_config(config_cls, args, saved):
     for name in [*config_fields, *RUN_FIELDS]:
         if name in args.given or name not in saved:
             continue
-        if name == 'lr_decay_epochs' and not decays_linearly(saved):
+        if name == 'lr_decay_epochs' and not fields.decays_linearly(saved):
             continue  # inert: runs saved before it was left unpinned hold --epochs here
         value = grid.get(name, saved[name])
         if name in config_fields and value is not None and kinds[name][1]:
@@ -352,22 +352,7 @@ def config_and_grid(config_cls, args):
     values = {field.name: getattr(args, field.name) for field in dataclasses.fields(config_cls)}
     values = {name: value[0] if isinstance(value, list) and len(value) == 1 else value
               for name, value in values.items()}
-    if values.get('lr_decay_epochs', 0) is None and decays_linearly(values):
-        # Pin the schedule's horizon, so a resume with more --epochs keeps it.
-        # (Without linear_decay it cannot act: pinned, it would be refused as
-        # a field set to no effect when the run resumes.)
-        values['lr_decay_epochs'] = values['epochs']
     return fields.config_and_grid(config_cls, values)
-
-
-def decays_linearly(config):
-    """Has a config's lr schedule (a dict's 'lr_schedule', or any of its
-    grid's values) the linear_decay factor, the one --lr-decay-epochs acts on?"""
-    schedules = config.get('lr_schedule')
-    schedules = [*(schedules if isinstance(schedules, (list, tuple)) else [schedules]),
-                 *((config.get('grid') or {}).get('lr_schedule') or [])]
-    return any('linear_decay' in [factor.strip() for factor in str(schedule).split('*')]
-               for schedule in schedules)
 
 
 def check_run_flags(args):

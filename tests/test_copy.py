@@ -64,7 +64,6 @@ def test_the_copied_files_run_with_the_command_lines_numbers(algo, tmp_path):
     assert len(note) == 1 and all(word in note[0] for word in (
         'checkpoints', 'resume', 'TensorBoard', 'processes')), plain.stderr
     lines = plain.stdout.splitlines()
-    assert lines[-1].startswith('done: 4 run(s), final greedy return '), plain.stdout
     assert any(line.startswith('epoch 3/3 | return ') for line in lines), plain.stdout
 
     repo = subprocess.run([sys.executable, os.path.join(ROOT, f'{algo}.py'), *argv,
@@ -75,6 +74,22 @@ def test_the_copied_files_run_with_the_command_lines_numbers(algo, tmp_path):
     want = records(tmp_path / 'repo' / 'metrics.jsonl')
     assert records(folder / 'out' / 'metrics.jsonl') == want
     assert len(want) == 3 * 4 and {record['lr'] for record in want} == {1e-2, 3e-3}
+    # Provenance: config.json and summary.json with the CLI's keys and values
+    # (harness/'s checkpoint_every aside, and the times), and the same final
+    # figures per grid point in both final lines.
+    for name, aside in (('config.json', {'checkpoint_every'}),
+                        ('summary.json', {'wall_s', 'compile_s'})):
+        copy, cli = (json.load(open(path / name)) for path in (folder / 'out', tmp_path / 'repo'))
+        assert copy == {key: value for key, value in cli.items() if key not in aside} | {
+            key: copy[key] for key in aside & set(copy)}, name
+    points = json.load(open(folder / 'out' / 'summary.json'))['points']
+    assert [point['lr'] for point in points] == [1e-2, 3e-3]
+    assert all(point['seeds'] == 2 and point['worst'] <= point['mean'] for point in points)
+    assert lines[-3].startswith('done: 4 run(s), final greedy return by grid point below, ')
+    assert lines[-2].startswith('  --lr 0.01: mean ') and lines[-1].startswith('  --lr 0.003: ')
+    quiet = repo.stdout.splitlines()  # --quiet: the one line, every point in it
+    assert len(quiet) == 1 and quiet[0].startswith(
+        f'done: 4 run(s), final greedy return by grid point: {lines[-2][2:]}; {lines[-1][2:]}, ')
 
 
 @pytest.mark.parametrize('argv', [['--lr', '1e300'], ['--conv-channels', '8'],

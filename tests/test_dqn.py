@@ -1127,4 +1127,6 @@ def test_env_settings_apply_flags_override_and_config_records(monkeypatch, tmp_p
               '--output-dir', str(grid_out)])
     config = json.loads((grid_out / 'config.json').read_text())
     assert config['grid'] == {'lr': [1e-2, 1e-3]} and config['gamma'] == 0.9
-    assert capsys.readouterr().out == ''  # --quiet: no settings line either
+    out = capsys.readouterr().out  # --quiet: the final line alone, no settings line
+    assert out.count('\n') == 1 and out.startswith('done: 2 run(s), final greedy return by '
+                                                    'grid point: --lr 0.01: n/a; --lr 0.001: n/a')

@@ -1007,14 +1007,14 @@ def test_a_time_limit_stop_reports_the_latest_evaluation_and_says_which():
     history = [{'epoch': epoch, 'run': run, 'seed': run, 'rl/n_interactions': 64 * epoch,
                 **({key: 10.0 * epoch + run} if epoch % 5 == 0 else {})}
                for epoch in range(1, 8) for run in range(2)]
-    summary = cli._summary(agent, config, [{'seed': 0}, {'seed': 1}], history, 0.0, 0.0, True)
+    summary = fields.summary(agent, config, [{'seed': 0}, {'seed': 1}], {}, history, 0.0, 0.0)
     assert summary['epochs'] == 7 and summary['final_eval_epoch'] == 5
     assert summary['final_eval_return'] == [50.0, 51.0]
     run = types.SimpleNamespace(history=history, agent=agent, config=config)
     assert "final_eval_return is epoch 5's evaluation" in cli._evaluation_note(run)
     run.history = history[:8]  # epochs 1-4: no evaluation yet
     assert 'no evaluation yet' in cli._evaluation_note(run)
-    summary = cli._summary(agent, config, [{'seed': 0}, {'seed': 1}], history[:8], 0, 0, True)
+    summary = fields.summary(agent, config, [{'seed': 0}, {'seed': 1}], {}, history[:8], 0, 0)
     assert summary['final_eval_return'] == [None, None] and summary['final_eval_epoch'] is None
 
 
