@@ -43,11 +43,13 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import common  # noqa: E402
+import fields  # noqa: E402
 import stats  # noqa: E402
 from harness import flags  # noqa: E402
 
 PROG = 'results.py'
 FIRST_EVALUATION_SEED = 1000  # seeds below are for tuning: never reported
+MAX_SEEDS = 4096  # seeds a row runs at most (one vmapped program holds them all)
 FORMAT = 2  # results.json's layout; the old one (a list of rows, seeds 0-7) is dropped
 BEGIN, END = '<!-- results:begin -->', '<!-- results:end -->'
 DEFAULT = {name: os.path.join(ROOT, path) for name, path in (
@@ -204,6 +206,9 @@ def parse_seeds(text):
     if first < FIRST_EVALUATION_SEED:
         fail(f'--seeds {text}: reported rows use evaluation seeds >= {FIRST_EVALUATION_SEED} '
              '(seeds below are for tuning)')
+    if stop - first > MAX_SEEDS or stop - 1 > fields.INT32_MAX:
+        fail(f'--seeds {text}: a row runs at most {MAX_SEEDS} seeds, each an int32 '
+             f'(at most {fields.INT32_MAX})')
     return list(range(first, stop))
 
 
@@ -277,8 +282,11 @@ def run_row(row, seeds, plain, out):
     previous = read_json(path) if os.path.exists(path) else None
     if previous:  # a resumed row: keep what each earlier session recorded
         record['previous'] = previous.pop('previous', []) + [previous]
-    os.makedirs(directory, exist_ok=True)
-    atomic_write(path, dump_json(record))
+    try:
+        os.makedirs(directory, exist_ok=True)
+        atomic_write(path, dump_json(record))
+    except OSError as error:
+        fail(f'--out: cannot write {error.filename or directory}: {error.strerror or error}')
     status = run_script(argv, plain)
     record.update(machine=machine(), end=now(), load_end=os.getloadavg()[0],
                   exit_status=status)
@@ -374,6 +382,11 @@ def read_run(directory, row, plain, info):
     """One run dir -> its row of results.json. `info`: its row.json, or None
     (then the machine and commit are this one's, said in the row)."""
     config = read_json(os.path.join(directory, 'config.json'))
+    counts = [config.get(name) if isinstance(config, dict) else None
+              for name in ('seed', 'num_seeds')]
+    if not all(type(count) is int for count in counts) or not 1 <= counts[1] <= MAX_SEEDS:
+        fail(f'{directory}/config.json: "seed" and "num_seeds" must be ints, num_seeds in '
+             f'[1, {MAX_SEEDS}], got {counts[0]!r} and {counts[1]!r}')
     seeds = list(range(config['seed'], config['seed'] + config['num_seeds']))
     if seeds[0] < FIRST_EVALUATION_SEED:
         fail(f'{directory}: seeds {seeds[0]}-{seeds[-1]}: reported rows use evaluation seeds '
@@ -401,7 +414,7 @@ def read_run(directory, row, plain, info):
         'env_steps_per_seed': steps[-1], 'steps_reached': int(last['rl/n_interactions']),
         'epochs': epochs_run, 'epochs_asked': config['epochs'],
         'complete': summary is not None and epochs_run >= config['epochs'],
-        'wall_s': summary['wall_s'] if summary else last.get('timing/since_start'),
+        **whole_wall(summary['wall_s'] if summary else last.get('timing/since_start'), info),
         'compile_s': summary['compile_s'] if summary else None,
         'steps_asked': (config['n_interactions_per_epoch'] * config['epochs']
                         if config.get('n_interactions_per_epoch') else None),
@@ -409,6 +422,21 @@ def read_run(directory, row, plain, info):
     }
     record.update(provenance(info))
     return record
+
+
+def whole_wall(last_wall, info):
+    """{'wall_s': the whole command's seconds over every session that ran it
+    (row.json's "previous": a run cut off and resumed), 'wall_known': False
+    where a session was cut off before recording its end: then wall_s is the
+    sum of those known, a lower bound}."""
+    sessions = (info or {}).get('previous') or []
+    spans = [(datetime.datetime.fromisoformat(s['end']) -
+              datetime.datetime.fromisoformat(s['start'])).total_seconds()
+             if s.get('start') and s.get('end') else None for s in sessions]
+    if last_wall is None:
+        return {'wall_s': None, 'wall_known': False}
+    return {'wall_s': last_wall + sum(span for span in spans if span is not None),
+            'wall_known': None not in spans}
 
 
 def provenance(info):
@@ -437,9 +465,13 @@ def run_dirs(out, added):
                   'started)', file=sys.stderr)
             continue
         info = read_json(path)
-        if info.get('id') not in ROWS:
-            fail(f'{path}: row {info.get("id")!r} is not in the row table')
-        found.append((os.path.join(out, name), ROWS[info['id']], bool(info['plain']), info))
+        if not isinstance(info, dict) or info.get('id') not in ROWS:
+            fail(f'{path}: row {info.get("id") if isinstance(info, dict) else info!r} is not '
+                 'in the row table')
+        if not isinstance(info.get('plain'), bool):
+            fail(f'{path}: no "plain" (true or false), which row.json records; '
+                 f'`run` writes it (or --add {info["id"]}[--plain]={os.path.join(out, name)})')
+        found.append((os.path.join(out, name), ROWS[info['id']], info['plain'], info))
     for text in added:
         row_id, _, directory = text.partition('=')
         plain = row_id.endswith('--plain')
@@ -456,8 +488,16 @@ def load_results(path):
     """results.json, or an empty one where there is none or it has the old
     layout (a list of rows on seeds 0-7, which the protocol cannot report)."""
     data = read_json(path) if os.path.exists(path) else None
-    if not isinstance(data, dict) or data.get('format') != FORMAT:
+    if not isinstance(data, dict):  # none yet, or the old layout (report says it drops it)
         return {'format': FORMAT, 'rows': {}, 'random': {}}
+    if data.get('format') != FORMAT:  # a newer tool's, or damaged: never dropped
+        fail(f'{path}: "format" is {data.get("format")!r}, this tool reads format {FORMAT}; '
+             'the file is left as it is')
+    data = {'rows': {}, 'random': {}, **data}
+    if not (isinstance(data['rows'], dict) and isinstance(data['random'], dict)
+            and all(isinstance(row, dict) for row in data['rows'].values())):
+        fail(f'{path}: "rows" and "random" must be objects keyed by row and env; '
+             'the file is left as it is')
     return data
 
 
@@ -534,6 +574,14 @@ def seed_of(text):
     return zlib.crc32(text.encode())
 
 
+def wall_text(record):
+    """Wall seconds as the table shows them: '1234', '1234+' where a session
+    of the row was cut off before recording its time (a lower bound), '?'."""
+    if record['wall_s'] is None:
+        return '?'
+    return f'{record["wall_s"]:.0f}' + ('' if record.get('wall_known', True) else '+')
+
+
 def fmt(value):
     if value is None:
         return '?'
@@ -577,7 +625,7 @@ def seeds_text(seeds):
 def table_line(record, legend):
     point, low, high, mean, worst = summary_of(record)
     steps = f'{record["env_steps_per_seed"]:,}'
-    wall = '?' if record['wall_s'] is None else f'{record["wall_s"]:.0f}'
+    wall = wall_text(record)
     return (f'| {shown_command(record, legend)} | {record["env"]} | {fmt(point)} '
             f'[{fmt(low)}, {fmt(high)}] | {fmt(mean)} | {fmt(worst)} | '
             f'{seeds_text(record["seeds"])} | {steps} | {wall} | {verdict(record)[0]} |')
@@ -656,7 +704,8 @@ PROTOCOL = f"""## Protocol
   `trim_mean(x, 0.25)`); its 95% interval: the percentile interval of
   {stats.REPS} bootstrap resamples of the seeds (rliable's stratified
   bootstrap). Worst seed: the lowest. Wall s: the whole command, compile
-  included.
+  included, summed over its sessions where a row was cut off and resumed
+  (`N+`: a session's time was lost with it, so at least N).
 - **Targets.** CartPole commands: IQM >= {TARGET[0]} and worst seed >= {TARGET[1]},
   in both compile modes. Other rows: gymnax's published baseline
   (gymnax-blines' PPO or ES, from its README), met when the IQM reaches it
@@ -757,7 +806,7 @@ def readme_block(data):
                   '| target |', '|---|---|---|---|---|---|---|']
         for record in records:
             point, low, high, _, worst = summary_of(record)
-            wall = '?' if record['wall_s'] is None else f'{record["wall_s"]:.0f}'
+            wall = wall_text(record)
             lines.append(f'| {shown_command(record, {})} | {fmt(point)} [{fmt(low)}, '
                          f'{fmt(high)}] | {fmt(worst)} | {seeds_text(record["seeds"])} | '
                          f'{record["env_steps_per_seed"]:,} | {wall} | {verdict(record)[0]} |')

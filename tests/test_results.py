@@ -332,3 +332,73 @@ def test_the_committed_documents_are_what_results_json_gives(tmp_path):
     assert contents(scratch) == contents(committed), (
         'docs/results.md, docs/results.png or README.md\'s results block differs from what '
         'docs/results.json gives: run `python tests/results.py report` (never edit them by hand)')
+
+
+# --- the results tool keeps its data (issue 53, item 6) ---------------------
+
+def refused(capsys, call, *needles):
+    with pytest.raises(SystemExit) as stop:
+        call()
+    error = capsys.readouterr().err
+    assert stop.value.code == 2 and error.count('\n') == 1 and 'Traceback' not in error, error
+    for needle in needles:
+        assert needle in error, error
+
+
+@pytest.mark.parametrize('layout', [{'format': 3, 'rows': {'x': {}}}, {'format': '2', 'rows': {}},
+                                    {'format': 2, 'rows': []}, {'format': 2, 'rows': {'x': 1}}])
+def test_report_refuses_a_results_json_it_cannot_read_and_keeps_it(layout, paths, capsys):
+    with open(paths['results.json'], 'w') as f:
+        json.dump(layout, f)
+    before = contents(paths)
+    refused(capsys, lambda: report(paths), paths['results.json'], 'left as it is')
+    assert contents(paths) == before
+
+
+def test_report_reads_a_results_json_of_its_format_with_nothing_else(paths):
+    with open(paths['results.json'], 'w') as f:
+        json.dump({'format': results.FORMAT}, f)
+    report(paths)
+    assert json.load(open(paths['results.json']))['rows'] == {}
+
+
+def test_report_refuses_a_row_json_without_plain_and_a_config_without_seeds(paths, capsys):
+    directory = write_run(f'{paths["runs"]}/cartpole-dqn', 'cartpole-dqn', [1000, 1001],
+                          cartpole_curve(2, 500.0))
+    info = json.load(open(os.path.join(directory, 'row.json')))
+    with open(os.path.join(directory, 'row.json'), 'w') as f:
+        json.dump({k: v for k, v in info.items() if k != 'plain'}, f)
+    refused(capsys, lambda: report(paths), 'row.json: no "plain"')
+    with open(os.path.join(directory, 'row.json'), 'w') as f:
+        json.dump(info, f)
+    config = json.load(open(os.path.join(directory, 'config.json')))
+    with open(os.path.join(directory, 'config.json'), 'w') as f:
+        json.dump({**config, 'num_seeds': 0}, f)
+    refused(capsys, lambda: report(paths), 'config.json: "seed" and "num_seeds"', 'got 1000 and 0')
+
+
+def test_run_refuses_seeds_past_int32_or_too_many_and_an_unwritable_out(tmp_path, capsys):
+    refused(capsys, lambda: results.main(['run', '--row', 'cartpole-dqn', '--seeds',
+                                          '1000:3000000000']), 'at most 4096 seeds')
+    (tmp_path / 'file').write_text('')
+    refused(capsys, lambda: results.main(['run', '--row', 'cartpole-dqn', '--seeds', '1000:1002',
+                                          '--out', str(tmp_path / 'file' / 'runs')]),
+            '--out: cannot write')
+
+
+def test_a_resumed_rows_wall_time_counts_every_session(paths):
+    directory = write_run(f'{paths["runs"]}/cartpole-dqn', 'cartpole-dqn', [1000, 1001],
+                          cartpole_curve(2, 500.0))
+    info = json.load(open(os.path.join(directory, 'row.json')))
+    earlier = {'start': '2026-01-01T00:00:00+00:00', 'end': '2026-01-01T00:10:00+00:00'}
+    with open(os.path.join(directory, 'row.json'), 'w') as f:
+        json.dump({**info, 'previous': [earlier]}, f)
+    report(paths)
+    row = json.load(open(paths['results.json']))['rows']['cartpole-dqn']
+    assert (row['wall_s'], row['wall_known']) == (12.5 + 600, True)
+    with open(os.path.join(directory, 'row.json'), 'w') as f:  # a session cut off: end unknown
+        json.dump({**info, 'previous': [earlier, {'start': earlier['end'], 'end': None}]}, f)
+    report(paths)
+    row = json.load(open(paths['results.json']))['rows']['cartpole-dqn']
+    assert (row['wall_s'], row['wall_known']) == (12.5 + 600, False)
+    assert '| 612+ |' in open(paths['results.md']).read()  # 612.5 s, at least
