@@ -225,9 +225,11 @@ def remaining_evals(cur_step, epoch, train_steps_per_epoch, evals_per_epoch):
 
 # Environments ---------------------------------------------------------------
 
-
 class UsageError(ValueError):
     """Bad input from the user: reported as one line and exit status 2."""
+
+
+INT32_MAX = 2 ** 31 - 1  # counters, sizes and seeds live in int32 arrays
 
 
 def check_precision():
@@ -637,15 +639,10 @@ def compiler_options(batch_invariant=True):
 
 def expand_runs(config, grid, seed, num_seeds):
     """One dict per run: the grid point (outer, in flag order) times seeds (inner)."""
-    names = list(grid)
-    runs = []
-    for point in itertools.product(*(grid[name] for name in names)):
-        for offset in range(num_seeds):
-            run = {'seed': seed + offset}
-            run.update({name: getattr(config, name) for name in sweep_fields(config)})
-            run.update(dict(zip(names, point)))
-            runs.append(run)
-    return runs
+    names, base = list(grid), {name: getattr(config, name) for name in sweep_fields(config)}
+    return [{'seed': seed + offset, **base, **dict(zip(names, point))}
+            for point in itertools.product(*(grid[name] for name in names))
+            for offset in range(num_seeds)]
 
 
 def sweep_fields(config):
@@ -718,9 +715,10 @@ def run_sweep(agent, config, seed=0, num_seeds=1, grid=None, epochs=None,
     if config != agent.config:  # another config's agent would mix the two silently
         raise UsageError('run_sweep: `config` is not the one its agent was made from; '
                          'pass make_agent(config)')
-    import fields  # the Config contract (which imports this file)
-    fields.check_grid(config, grid or {}, agent.check_runs)
     epochs = config.epochs if epochs is None else epochs
+    import fields  # the Config contract (which imports this file)
+    fields.check_sweep_args(config, seed, num_seeds, epochs, batch_invariant)
+    fields.check_grid(config, grid or {}, agent.check_runs)
     runs, hp, state, chunk = compiled_runs(agent, config, grid, seed, num_seeds, epochs,
                                            batch_invariant)
     state, metrics, _ = chunk(hp, state, *plan(config, 0, epochs, epochs))

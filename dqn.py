@@ -42,7 +42,6 @@ import common
 import fields
 
 
-
 # ---------------------------------------------------------------------------
 # The targets: --advantage-estimator NAME picks TARGETS[NAME], a pure function
 # (spec, hp, params, target_params, batch) -> y [batch], the regression target

@@ -40,7 +40,7 @@ def option(default, help, sweep=False, bounds=None, choices=None, aliases=()):
         'aliases': tuple(aliases)})
 
 
-INT32_MAX = 2 ** 31 - 1  # counters and sizes live in int32 arrays
+INT32_MAX = common.INT32_MAX  # counters and sizes live in int32 arrays
 
 
 def check_int32_products(products):
@@ -261,6 +261,28 @@ def check_grid(config, grid, check_runs):
                          f'{moved})') from None
 
 
+def check_sweep_args(config, seed, num_seeds, epochs, batch_invariant):
+    """run_sweep's own arguments: UsageError naming the one that is wrong."""
+    for name, value, least in (('seed', seed, 0), ('num_seeds', num_seeds, 1),
+                               ('epochs', epochs, 1)):
+        if not isinstance(value, (int, np.integer)) or isinstance(value, (bool, np.bool_)) \
+                or not least <= value <= INT32_MAX:
+            raise common.UsageError(f'run_sweep: {name} must be an int in [{least}, {INT32_MAX}], '
+                             f'got {value!r}')
+    if seed + num_seeds - 1 > INT32_MAX:
+        raise common.UsageError(f'run_sweep: seeds {seed}..{seed + num_seeds - 1} pass {INT32_MAX}, '
+                         'the largest int32 seed')
+    if not isinstance(batch_invariant, (bool, np.bool_)):
+        raise common.UsageError(f'run_sweep: batch_invariant must be True or False, got '
+                         f'{batch_invariant!r}')
+    horizon = getattr(config, 'lr_decay_epochs', None) or config.epochs
+    if epochs > horizon and 'linear_decay' in common.schedule_factors(config.lr_schedule):
+        raise common.UsageError(f'run_sweep: epochs {epochs} is past the learning rate\'s linear '
+                         f'decay, which reaches 0 at epoch {horizon} (the config\'s '
+                         f'lr_decay_epochs or epochs); make the agent from a config with '
+                         f'epochs={epochs}')
+
+
 def check_inert(config, inert, given=None):
     """Refuse a field that cannot act (`inert`: {field: why}) set off its default
     (saved, it would bind a resume and change nothing). `given`: {field a command
@@ -296,7 +318,6 @@ def shared_inert(config, torso, env_params):
                                f'step {int(cap)} (--max-steps), so a longer horizon evaluates '
                                f'the same; use at most {int(cap)}')
     return inert
-
 
 
 # The plain command line where harness/ is absent: every Config field a flag,
@@ -621,7 +642,7 @@ def point_texts(points):
     return shown
 
 
-def result_lines(summary, output_dir, one_line=False):
+def result_lines(summary, output_dir, one_line=False, what='done'):
     """The run's final lines: the greedy return, for a grid one line per
     point after the first (`one_line`: all in one, as --quiet prints it)."""
     at = summary['final_eval_epoch']
@@ -629,7 +650,7 @@ def result_lines(summary, output_dir, one_line=False):
     points = point_texts(summary['points']) if len(summary['points']) > 1 else None
     figure = (returns_text(summary['final_eval_return']) if points is None else
               'by grid point' + (f': {"; ".join(points)}' if one_line else ' below'))
-    return [f'done: {len(summary["runs"])} run(s), final greedy return {figure}{said}, wall '
+    return [f'{what}: {len(summary["runs"])} run(s), final greedy return {figure}{said}, wall '
             f'{summary["wall_s"]:.1f}s (compile {summary["compile_s"]:.1f}s), '
             f'results in {output_dir}'] + ([f'  {point}' for point in points or []
                                               if not one_line])

@@ -408,6 +408,9 @@ def _locked_experiment(run, args, prog):
     _signals.check()  # one that landed where Python swallows it (a gc callback)
     if run.resuming:
         state = _restore(run, state)
+        if not args.only_eval:
+            _show(f'resumed {run.output_dir} at epoch {run.start_epoch} of {run.config.epochs}',
+                  args)
     if not args.only_eval and devices.is_writer():
         _write_config(run)
     if args.only_eval:
@@ -724,12 +727,15 @@ def _only_eval(run, phases, state, args):
     if args.plot:  # the learning curves of metrics.jsonl, up to the checkpoint
         rundir.plot_learning_curves(run.history, run.agent, run.config.env,
                                     os.path.join(run.output_dir, rundir.PLOT_FILE))
-    if not args.quiet:
-        for name, values in metrics.items():
-            say(f'epoch {run.start_epoch} {name}: {fields.returns_text(values)}')
-        if args.plot:
-            say(f'learning curves of epochs 1-{run.start_epoch} in '
-                f'{os.path.join(run.output_dir, rundir.PLOT_FILE)}')
+    summary = fields.summary(run.agent, run.config, run.runs, run.run_config.get('grid'),
+                             records, time.time() - run.wall_start, run.compile_s)
+    for line in fields.result_lines(summary, os.path.join(run.output_dir, 'eval.jsonl'),
+                                    one_line=args.quiet, what='evaluated epoch '
+                                    f'{run.start_epoch}\'s parameters'):
+        say(line)
+    if args.plot and not args.quiet:
+        say(f'learning curves of epochs 1-{run.start_epoch} in '
+            f'{os.path.join(run.output_dir, rundir.PLOT_FILE)}')
     return metrics
 
 

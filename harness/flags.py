@@ -79,7 +79,7 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     the epilog (the env settings table) keeps its lines."""
 
     def _fill_text(self, text, width, indent):
-        if text.startswith(_SETTINGS_HEADING):
+        if text.startswith((_SETTINGS_HEADING, READING_THE_OUTPUT[:20])):
             return ''.join(indent + line for line in text.splitlines(keepends=True))
         return super()._fill_text(text, width, indent)
 
@@ -254,9 +254,22 @@ def settings_flags(settings):
     return ' '.join(flags)
 
 
+READING_THE_OUTPUT = '''reading the output:
+  epoch k/N | steps S | return R (min M) | eval T0.00@500 E (min W) | ...
+    steps: env steps per run so far; return: the mean over runs of each run's latest
+    finished training episodes (min: the lowest run); eval T0.00@500: the evaluation
+    return at temperature 0.00 (greedy; 1: epsilon-greedy or sampled) with episodes
+    cut at 500 steps, the tag rl/avg_return_temperature0.00_steps500 of
+    metrics.jsonl; TensorBoard plots each against env steps.
+  done: ... final greedy return: the last greedy evaluation, mean (min) over runs,
+    or per grid point its IQM (mean under 4 seeds) and worst seed, the best marked.'''
+
+
 def env_settings_help(table):
-    """--help's epilog: one line per env, as the flags it amounts to."""
-    lines = [f'{_SETTINGS_HEADING} (used when --env is one of these; a flag given on the '
+    """--help's epilog: how to read a run's lines, then the per-env settings,
+    one line per env, as the flags it amounts to."""
+    lines = [READING_THE_OUTPUT, '',
+             f'{_SETTINGS_HEADING} (used when --env is one of these; a flag given on the '
              'command line wins):']
     for env, settings in table.items():
         lines.append(f'  {env}: {settings_flags(settings)}')

@@ -230,8 +230,11 @@ def config_markdown(config):
 class Summaries:
     """TensorBoard event files (tensorboardX's format, no TensorFlow), one
     directory per run under <output_dir>/tb/: each metric of metrics.jsonl
-    under its Trax tag at step = epoch, and the run's config as a text summary
-    (Trax wrote its operative gin config as text).
+    under its Trax tag, and the epoch under 'epoch', at step = the run's env
+    steps so far (rl/n_interactions: the x-axis of PureJaxRL's, CleanRL's and
+    rejax's curves; an epoch is a different number of steps per algorithm and
+    env), and the run's config as a text summary (Trax wrote its operative gin
+    config as text).
 
     Written in the caller's thread, flushed once a chunk: an OS error (a full
     disk, EIO) is raised right there, naming the event file, and the driver
@@ -294,10 +297,10 @@ class Summaries:
             return
         from tensorboardX.proto.summary_pb2 import Summary
         for record in records:  # one event a record: a scalar event each cost ~150 us
-            identity = {'epoch', 'run', *self.runs[record['run']]}
+            identity = {'run', *self.runs[record['run']]}
             values = [Summary.Value(tag=tag, simple_value=value) for tag, value in record.items()
                       if tag not in identity and value is not None]
-            self._add(record['run'], Summary(value=values), record['epoch'])
+            self._add(record['run'], Summary(value=values), env_steps(record))
         if flush:
             for events in self.files:
                 self._flush(events)
@@ -323,6 +326,13 @@ class Summaries:
     def __exit__(self, *exc):
         self.close(quietly=exc[0] is not None)  # the first error wins
         return False
+
+
+def env_steps(record):
+    """A metric record's x-axis value: the run's env steps after its epoch
+    (the epoch itself where they are not recorded)."""
+    steps = record.get('rl/n_interactions')
+    return record['epoch'] if steps is None else int(steps)
 
 
 LOCK_FILE = 'run.lock'

@@ -1097,6 +1097,16 @@ def test_help_lists_the_env_settings(capsys):
             assert f' {flag}' in line, (name, field)
 
 
+def test_help_explains_the_lines_a_run_prints(capsys):
+    with pytest.raises(SystemExit):
+        dqn.main(['--help'])
+    out = capsys.readouterr().out
+    key = out[out.index('reading the output:'):out.rindex('per-env settings')]
+    for needle in ('eval T0.00@500', 'temperature 0.00 (greedy', 'cut at 500 steps',
+                   'rl/avg_return_temperature0.00_steps500', 'env steps', 'IQM', 'worst seed'):
+        assert needle in ' '.join(key.split()), needle
+
+
 def test_env_settings_apply_flags_override_and_config_records(monkeypatch, tmp_path, capsys):
     settings = {'lr': 3e-3, 'gamma': 0.9, 'hidden_sizes': (8, 4), 'sync_freq': 10,
                 'n_eval_episodes': 3, 'scale_value_targets': False, 'double_dqn': False}

@@ -175,3 +175,21 @@ def test_run_sweep_refuses_a_bad_grid_and_another_configs_agent():
             common.run_sweep(agent, config, grid=grid)
     with pytest.raises(common.UsageError, match='not the one its agent was made from'):
         common.run_sweep(agent, dqn.Config(**{**SMALL['dqn'], 'gamma': 0.9}))
+
+
+@pytest.mark.parametrize('kwargs,needle', [
+    ({'seed': -1}, 'seed must be an int in [0, 2147483647], got -1'),
+    ({'seed': 0.5}, 'seed must be an int'), ({'seed': True}, 'seed must be an int'),
+    ({'num_seeds': 0}, 'num_seeds must be an int in [1, '), ({'num_seeds': -2}, 'num_seeds'),
+    ({'epochs': 0}, 'epochs must be an int in [1, '), ({'epochs': -1}, 'epochs must be'),
+    ({'epochs': 2 ** 31}, 'epochs must be'), ({'epochs': 2.0}, 'epochs must be an int'),
+    ({'seed': 2 ** 31 - 2, 'num_seeds': 4}, 'seeds 2147483646..2147483649 pass 2147483647'),
+    ({'batch_invariant': 'yes'}, "batch_invariant must be True or False, got 'yes'"),
+    ({'epochs': 3}, 'epochs 3 is past the learning rate\'s linear decay, which reaches 0 at '
+                    'epoch 2')])
+def test_run_sweep_checks_its_own_arguments(kwargs, needle):
+    """Each is a UsageError naming the argument, before anything is traced (issue
+    53, item 4): never a JAX or numpy traceback, never an empty result."""
+    config = dqn.Config(**{**SMALL['dqn'], 'epochs': 2})
+    with pytest.raises(common.UsageError, match=re.escape(f'run_sweep: {needle}')):
+        common.run_sweep(dqn.make_agent(config), config, **kwargs)

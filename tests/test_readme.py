@@ -51,6 +51,20 @@ def readme_commands():
     return commands
 
 
+def test_the_usage_block_runs_in_the_venv_the_set_up_makes():
+    """The set-up commands make .venv and never activate it; the Usage
+    block's `python` and `tensorboard` are that venv's: it activates it first."""
+    text = open(os.path.join(ROOT, 'README.md')).read()
+    setup = text[text.index('## Set-up on a fresh machine'):text.index('## Usage')]
+    assert setup.count('python3 -m venv .venv && .venv/bin/pip install -r requirements.lock') == 2
+    usage = text[text.index('## Usage'):]
+    block = usage[usage.index('```bash\n') + len('```bash\n'):]
+    first = block.splitlines()[0]
+    assert first.split('#')[0].strip() == 'source .venv/bin/activate', first
+    tensorboard = os.path.join(os.path.dirname(sys.executable), 'tensorboard')
+    assert os.path.exists(tensorboard)  # the lock installs the viewer the block runs
+
+
 def holds_run(cwd, argv):
     if '--output-dir' not in argv:
         return False

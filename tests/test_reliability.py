@@ -244,10 +244,14 @@ def test_only_eval_restores_and_never_writes_the_checkpoint(algo, reference_runs
                *SMALL[algo], '--epochs', '5', '--output-dir', out, '--seed', '3', '--only-eval']
     result = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert result.returncode == 0, result.stderr
-    assert 'rl/avg_return_temperature0.00_steps40' in result.stdout
     records = [json.loads(line) for line in open(os.path.join(out, 'eval.jsonl'))]
     assert records[-1]['epoch'] == 5
-    assert records[-1]['rl/avg_return_temperature0.00_steps40'] is not None
+    greedy = records[-1]['rl/avg_return_temperature0.00_steps40']
+    assert greedy is not None  # said as a run's result line is, not as a metric's key
+    assert result.stdout.splitlines() == [
+        f"evaluated epoch 5's parameters: 1 run(s), final greedy return {greedy:.1f}, wall "
+        + result.stdout.split(', wall ')[1].rstrip('\n')]
+    assert result.stdout.rstrip().endswith(f'results in {out}/eval.jsonl')
     assert open(path, 'rb').read() == before and os.stat(path).st_mtime_ns == mtime
 
 
@@ -545,6 +549,12 @@ def test_ctrl_c_finishes_the_epoch_and_leaves_a_loadable_checkpoint(algo, refere
 # ---------------------------------------------------------------------------
 
 
+def quiet_result(result, start):
+    lines = result.stdout.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(start), result.stdout
+    assert '(best)' in lines[0] and 'results in ' in lines[0]
+
+
 def run_bare(algo, args, cache_dir, **kwargs):
     """The script with only `args` (no SMALL sizes): what a user types to resume."""
     command = [sys.executable, os.path.join(ROOT, f'{algo}.py'), '--quiet',
@@ -558,9 +568,11 @@ def test_resume_takes_the_saved_config(algo, cache_dir, tmp_path, capfd):
     """--output-dir DIR --epochs N extends a run, and --output-dir DIR --only-eval
     evaluates it, with every other flag (grid and seeds too) taken from the save."""
     out = str(tmp_path / 'run')
-    run_script(algo, ['--epochs', '2', '--lr-decay-epochs', '3', '--output-dir', out,
-                      '--seed', '5', '--num-seeds', '2', '--gamma', '0.9,0.99',
-                      '--no-tensorboard'], cache_dir, check=0)
+    result = run_script(algo, ['--epochs', '2', '--lr-decay-epochs', '3', '--output-dir', out,
+                               '--seed', '5', '--num-seeds', '2', '--gamma', '0.9,0.99',
+                               '--no-tensorboard'], cache_dir, check=0)
+    # --quiet: the result alone, one line, each grid point's figures in it.
+    quiet_result(result, 'done: 4 run(s), final greedy return by grid point: --gamma 0.9: mean ')
     assert not os.path.exists(os.path.join(out, 'tb'))
     first = json.load(open(os.path.join(out, 'summary.json')))
     assert [(r['seed'], r['gamma']) for r in first['runs']] == \
@@ -568,7 +580,10 @@ def test_resume_takes_the_saved_config(algo, cache_dir, tmp_path, capfd):
 
     result = run_bare(algo, ['--output-dir', out, '--epochs', '3'], cache_dir)
     assert result.returncode == 0, result.stderr
+    quiet_result(result, 'done: 4 run(s), final greedy return by grid point: --gamma 0.9: ')
     summary = json.load(open(os.path.join(out, 'summary.json')))
+    assert [{k: p[k] for k in ('gamma', 'seeds')} for p in summary['points']] == [
+        {'gamma': 0.9, 'seeds': 2}, {'gamma': 0.99, 'seeds': 2}]
     assert summary['epochs'] == 3 and summary['runs'] == first['runs']
     records = [json.loads(line) for line in open(os.path.join(out, 'metrics.jsonl'))]
     assert sorted((r['epoch'], r['run']) for r in records) == \
@@ -581,14 +596,22 @@ def test_resume_takes_the_saved_config(algo, cache_dir, tmp_path, capfd):
 
     result = run_bare(algo, ['--output-dir', out, '--only-eval'], cache_dir)
     assert result.returncode == 0, result.stderr
+    quiet_result(result, "evaluated epoch 3's parameters: 4 run(s), final greedy return by "
+                         'grid point: --gamma 0.9: ')
     evals = [json.loads(line) for line in open(os.path.join(out, 'eval.jsonl'))]
     assert [(r['epoch'], r['seed'], r['gamma']) for r in evals] == \
         [(3, 5, 0.9), (3, 6, 0.9), (3, 5, 0.99), (3, 6, 0.99)]
 
-    # The same value given explicitly is no difference.
-    result = run_bare(algo, ['--output-dir', out, '--gamma', '0.9,0.99', '--seed', '5'],
-                      cache_dir)
+    # The same value given explicitly is no difference. Without --quiet a
+    # resumed run says so, and the result has a line per grid point.
+    result = subprocess.run([sys.executable, os.path.join(ROOT, f'{algo}.py'), '--compile-cache',
+                             cache_dir, '--output-dir', out, '--gamma', '0.9,0.99', '--seed', '5'],
+                            capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert f'resumed {out} at epoch 3 of 3' in lines, lines
+    assert lines[-3].startswith('done: 4 run(s), final greedy return by grid point below, ')
+    assert lines[-2].startswith('  --gamma 0.9: mean ') and lines[-1].startswith('  --gamma 0.99:')
 
     # In-process from here (each is refused before compiling): a flag given with
     # another value is refused, naming it, and so is --epochs past the saved
@@ -637,13 +660,16 @@ def assert_events_match_metrics(out, n_epochs):
         mine = sorted((r for r in records if r['run'] == index), key=lambda r: r['epoch'])
         assert [r['epoch'] for r in mine] == list(range(1, n_epochs + 1))
         tags = {tag for r in mine for tag, value in r.items()
-                if value is not None and tag not in ('epoch', 'run', *run)}
-        assert {'rl/avg_return', 'rl/n_interactions', 'timing/epoch', 'timing/since_start',
-                'metrics/value_loss', 'rl/avg_return_temperature0.00_steps40'} <= tags
+                if value is not None and tag not in ('run', *run)}
+        assert {'epoch', 'rl/avg_return', 'rl/n_interactions', 'timing/epoch',
+                'timing/since_start', 'metrics/value_loss',
+                'rl/avg_return_temperature0.00_steps40'} <= tags
         assert set(scalars) == tags
-        for tag in tags:
-            want = [(r['epoch'], float(np.float32(r[tag]))) for r in mine if r[tag] is not None]
+        for tag in tags:  # x: env steps per seed, an epoch's multiple (SMALL: 64 an epoch)
+            want = [(64 * r['epoch'], float(np.float32(r[tag])))
+                    for r in mine if r[tag] is not None]
             assert scalars[tag] == want, tag  # one value per step, that of metrics.jsonl
+        assert scalars['rl/n_interactions'] == [(64 * r['epoch'], 64.0 * r['epoch']) for r in mine]
         [text] = texts['config/text_summary']
         assert f'| seed | {run["seed"]} |' in text and '| env | "CartPole-v1" |' in text
 
