@@ -10,12 +10,14 @@ checks, and runs a script where harness/ (the full command line) is absent.
     metrics.jsonl, config.json and summary.json.
 """
 
+import contextlib
 import dataclasses
 import decimal
 import json
 import math
 import os
 import re
+import signal
 import sys
 import time
 import typing
@@ -326,6 +328,11 @@ def shared_inert(config, torso, env_params):
 HARNESS_ADDS = ('no harness/ here, so a plain run that writes metrics.jsonl; copy harness/ '
                 'for checkpoints, resume, TensorBoard, sweeps over devices, processes, plots')
 RUN_FLAGS = {'seed': 0, 'num_seeds': 1, 'output_dir': None}
+# harness/'s own run flags (tests/test_copy.py holds this to its parser): a
+# copy names them as harness/'s rather than as unknown.
+HARNESS_FLAGS = ('quiet', 'tensorboard', 'plot', 'only_eval', 'time_limit', 'checkpoint_every',
+                 'compile_cache', 'device', 'cpu_devices', 'batch_invariant', 'distributed',
+                 'coordinator_address', 'num_processes', 'process_id', 'coordinator_timeout')
 CHUNK_EPOCHS = 256  # epochs per compiled call at most: the metric buffers' length
 
 
@@ -374,6 +381,9 @@ def parse_flags(config_cls, argv):
         name, equals, text = arg.partition('=')
         negated = names.get('--' + name[5:]) if name.startswith('--no-') else None
         field = names.get(name) or negated
+        if field is None and name.lstrip('-').replace('-', '_').removeprefix('no_') in HARNESS_FLAGS:
+            raise common.UsageError(f'{name} is a flag of harness/, the full command line, '
+                                    'which this copy lacks: copy the harness/ folder beside it')
         if field is None:
             raise common.UsageError(f'unrecognized argument {arg!r} (--help lists the flags)')
         if kinds.get(field, (None,))[0] is bool:  # --flag / --no-flag
@@ -469,9 +479,7 @@ def plain_main(config_cls, make_agent, settings, argv=None, mode_field=None):
         if not (1 <= run['num_seeds'] and 0 <= run['seed']
                 and run['seed'] + run['num_seeds'] - 1 <= INT32_MAX):
             raise common.UsageError(f'--seed and --num-seeds: seeds {run["seed"]}.. must be int32')
-        if run['output_dir'] and os.path.exists(os.path.join(run['output_dir'], 'metrics.jsonl')):
-            raise common.UsageError(f'--output-dir {run["output_dir"]} holds a run\'s metrics.jsonl: '
-                             'choose another (harness/ resumes runs)')
+        check_output_dir(run['output_dir'])
         while True:  # an env setting the typed flags make inert is dropped (inert_setting)
             config, grid = config_and_grid(config_cls, {**applied, **typed})
             try:
@@ -491,7 +499,61 @@ def plain_main(config_cls, make_agent, settings, argv=None, mode_field=None):
     if applied or dropped:
         print(f'{prog}: settings for {config.env}: {applied}'
               + (f'; not applied (inert with the flags given): {dropped}' if dropped else ''))
-    return plain_run(agent, config, grid, **run)
+    with stop_signals():
+        try:
+            return plain_run(agent, config, grid, **run)
+        except (KeyboardInterrupt, Stopped) as stop:
+            signum = getattr(stop, 'signum', signal.SIGINT)
+            _fail(prog, f'interrupted ({signal.Signals(signum).name}); metrics.jsonl holds the '
+                        'epochs done (harness/ would resume them)', 128 + signum)
+        except BrokenPipeError:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing more to it
+            _fail(prog, 'cannot write to stdout (a closed pipe); metrics.jsonl holds the epochs '
+                        'done', 1)
+        except OSError as error:
+            _fail(prog, f'{error.filename or "OS error"}: {error.strerror or error}', 1)
+
+
+class Stopped(Exception):
+    """SIGTERM (or SIGHUP) arrived: the run stops with one line."""
+
+    def __init__(self, signum):
+        super().__init__(signum)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def stop_signals():
+    """SIGTERM and SIGHUP raise Stopped in the main thread while a copy runs."""
+    def stop(signum, frame):
+        raise Stopped(signum)
+    previous = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def _fail(prog, message, status):
+    print(f'{prog}: {message}', file=sys.stderr, flush=True)
+    sys.exit(status)
+
+
+def check_output_dir(output_dir):
+    """--output-dir must be a new or empty-of-runs folder this user can write."""
+    if not output_dir:
+        return
+    if os.path.exists(os.path.join(output_dir, 'metrics.jsonl')):
+        raise common.UsageError(f'--output-dir {output_dir} holds a run\'s metrics.jsonl: '
+                                'choose another (harness/ resumes runs)')
+    existing = output_dir
+    while not os.path.exists(existing):  # the nearest folder there already
+        existing = os.path.dirname(os.path.abspath(existing))
+    if not os.path.isdir(existing):
+        raise common.UsageError(f'--output-dir {output_dir}: {existing} is a file, not a folder')
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise common.UsageError(f'--output-dir {output_dir}: {existing} is not writable')
 
 
 def plain_run(agent, config, grid, seed, num_seeds, output_dir):

@@ -480,8 +480,8 @@ def main(argv=None):
     """The full command line (harness/), or without it fields.plain_main."""
     try:  # `import pg` alone needs neither
         from harness import cli
-    except ModuleNotFoundError as error:
-        if error.name != 'harness':
+    except ImportError as error:  # none, or a project's own `harness` package
+        if error.name not in ('harness', 'harness.cli'):
             raise
         return fields.plain_main(Config, make_agent, ENV_SETTINGS, argv)
     return cli.main(Config, make_agent, check_runs, 'pg.py', __doc__.split('\n\n')[0], argv,

@@ -6,9 +6,11 @@ same flags (timings aside); bad input is refused there with the command
 line's message, exit 2.
 """
 
+import dataclasses
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 
@@ -32,6 +34,19 @@ FLAGS = {
 }
 RUNS = ['--num-seeds', '2', '--seed', '3', '--lr', '1e-2,3e-3']
 TIMING = ('timing/', 'rl/n_interactions_per_second')
+
+
+sys.path.insert(0, ROOT)
+
+
+def dqn_config():
+    import dqn
+    return dqn.Config
+
+
+def fields_module():
+    import fields
+    return fields
 
 
 def environment():
@@ -130,3 +145,85 @@ def test_the_copy_drops_an_env_setting_the_typed_flags_make_inert(tmp_path):
     assert 'not applied: --max-slice-length 200' in repo.stdout + repo.stderr
     assert records(folder / 'out' / 'metrics.jsonl') == records(
         tmp_path / 'repo' / 'metrics.jsonl')
+
+
+# --- the copy's faults are one line, as the command line's (issue 53, item 3) --
+
+LONG = [*FLAGS['dqn'][:-2], '--epochs', '100000', '--eval-every', '1']
+
+
+def error_lines(stderr):
+    """stderr without the copy's one note of what harness/ adds."""
+    return [line for line in stderr.splitlines() if 'no harness/ here' not in line]
+
+
+@pytest.mark.parametrize('argv,needle', [
+    (['--quiet'], '--quiet is a flag of harness/, the full command line'),
+    (['--no-tensorboard'], '--no-tensorboard is a flag of harness/'),
+    (['--cpu-devices', '2'], '--cpu-devices is a flag of harness/'),
+    (['--output-dir', 'a-file'], '--output-dir a-file: '),
+    (['--output-dir', 'a-file/run'], 'is a file, not a folder')])
+def test_the_copy_refuses_harness_flags_and_an_output_dir_it_cannot_use(argv, needle, tmp_path):
+    folder = copied('dqn', tmp_path)
+    (folder / 'a-file').write_text('')
+    plain = subprocess.run([sys.executable, 'dqn.py', *argv], cwd=folder, env=environment(),
+                           capture_output=True, text=True, timeout=300)
+    assert plain.returncode == 2 and plain.stderr.count('\n') == 1, plain.stderr
+    assert plain.stderr.startswith('dqn.py: error: ') and needle in plain.stderr, plain.stderr
+    assert set(os.listdir(folder)) - {'__pycache__'} == {*FILES['dqn'], 'a-file'}
+
+
+@pytest.mark.parametrize('signum', [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_stops_the_copy_in_one_line(signum, tmp_path):
+    folder = copied('dqn', tmp_path)
+    process = subprocess.Popen([sys.executable, 'dqn.py', *LONG, '--output-dir', 'out'],
+                               cwd=folder, env=environment(), stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    try:
+        assert process.stdout.readline().startswith('epoch ')  # running, past the compile
+        process.send_signal(signum)
+        _, stderr = process.communicate(timeout=120)
+    finally:
+        process.kill()
+    lines = error_lines(stderr)
+    assert process.returncode == 128 + signum and len(lines) == 1, stderr
+    assert lines[0].startswith(f'dqn.py: interrupted ({signal.Signals(signum).name}); ')
+    assert (folder / 'out' / 'metrics.jsonl').stat().st_size > 0
+    assert not [name for name in os.listdir(folder / 'out') if '.tmp-' in name]
+
+
+def test_a_closed_stdout_stops_the_copy_in_one_line(tmp_path):
+    folder = copied('dqn', tmp_path)
+    process = subprocess.Popen([sys.executable, 'dqn.py', *LONG, '--output-dir', 'out'],
+                               cwd=folder, env=environment(), stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    try:
+        assert process.stdout.readline().startswith('epoch ')
+        process.stdout.close()  # as `| head -1` does
+        stderr = process.stderr.read()
+        process.wait(timeout=120)
+    finally:
+        process.kill()
+    lines = error_lines(stderr)
+    assert process.returncode == 1 and len(lines) == 1, stderr
+    assert lines[0] == 'dqn.py: cannot write to stdout (a closed pipe); metrics.jsonl holds ' \
+                       'the epochs done'
+
+
+def test_a_projects_own_harness_package_leaves_the_copy_plain(tmp_path):
+    folder = copied('dqn', tmp_path)
+    os.mkdir(folder / 'harness')
+    (folder / 'harness' / '__init__.py').write_text('"""the project\'s own"""\n')
+    plain = subprocess.run([sys.executable, 'dqn.py', *FLAGS['dqn'], '--epochs', '1',
+                            '--output-dir', 'out'], cwd=folder, env=environment(),
+                           capture_output=True, text=True, timeout=600)
+    assert plain.returncode == 0, plain.stderr[-2000:]
+    assert (folder / 'out' / 'summary.json').exists()
+
+
+def test_the_copys_harness_flags_are_the_harness_run_flags():
+    from harness import flags as harness_flags
+    parser = harness_flags.build_parser(dqn_config(), 'dqn.py', '')
+    run_flags = {action.dest for action in parser._actions} - {
+        field.name for field in dataclasses.fields(dqn_config())} - {'help'}
+    assert run_flags - set(fields_module().RUN_FLAGS) == set(fields_module().HARNESS_FLAGS)
