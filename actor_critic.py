@@ -930,18 +930,19 @@ def make_agent(config: Config, given=None) -> common.Agent:
     check_slices(config, policy, steps)
     epochs = config.lr_decay_epochs or config.epochs
     env_steps = fields.env_steps_factors(config, n_envs, steps, max_steps)
+    value_steps = [] if config.joint else [  # --joint: the value net trains in the policy's
+        ('value gradient steps', [('--epochs', config.epochs), ('--value-train-steps-per-epoch',
+                                                                config.value_train_steps_per_epoch)]),
+        ("the value learning-rate schedule's steps",
+         [('--lr-decay-epochs', epochs),
+          ('--value-train-steps-per-epoch', config.value_train_steps_per_epoch)])]
     fields.check_int32_products([  # the counters and the replay's row index
         ('policy gradient steps', [('--epochs', config.epochs),
                                    ('--train-steps-per-epoch', config.train_steps_per_epoch)]),
-        ('value gradient steps', [('--epochs', config.epochs),
-                                  ('--value-train-steps-per-epoch',
-                                   config.value_train_steps_per_epoch)]),
         ('env steps', [('--epochs', config.epochs), *env_steps]),
         ("the learning-rate schedule's steps",
          [('--lr-decay-epochs', epochs), ('--train-steps-per-epoch', config.train_steps_per_epoch)]),
-        ("the value learning-rate schedule's steps",
-         [('--lr-decay-epochs', epochs),
-          ('--value-train-steps-per-epoch', config.value_train_steps_per_epoch)]),
+        *value_steps,
         ('replay steps', [('--n-replay-epochs', config.n_replay_epochs), *env_steps])])
     spec = Spec(
         config=config, policy=policy,
@@ -1124,8 +1125,8 @@ def check_slices(config, policy, steps):
     if steps % length:
         raise error(f'--max-slice-length {length} must divide the rows\' length, {steps} '
                     'steps (--n-interactions-per-epoch / --n-envs, or the episode cap)')
-    for name in ('batch_size', 'value_batch_size'):
-        if getattr(config, name) % length:
+    for name in ('batch_size',) if config.joint else ('batch_size', 'value_batch_size'):
+        if getattr(config, name) % length:  # (--joint: no value minibatches of their own)
             raise error(f'--{name.replace("_", "-")} ({getattr(config, name)}) must be a '
                         f'multiple of the sequences\' length ({length}): minibatches are '
                         'whole sequences')

@@ -266,6 +266,7 @@ def _main(config_cls, make_agent, check_runs, prog, description, argv,
         args.sees_saved_run = saved is not None  # processes must agree (check_same_flags)
         if saved is not None:  # resume: what the command line leaves out is the saved run's
             flags.take_saved_config(config_cls, args, saved)
+            _check_typed_against_saved(config_cls, args, saved)
         elif unsaved is not None and flags.take_saved_config(config_cls, args, unsaved):
             saved_flags = unsaved
             # a run killed before its first checkpoint: rerun with its flags
@@ -331,6 +332,32 @@ def _checked_config(config_cls, make_agent, check_runs, args, applied):
                 raise
             dropped[field] = applied.pop(field)
             setattr(args, field, defaults[field])
+
+
+def _check_typed_against_saved(config_cls, args, saved):
+    """A resume refuses typed values other than the saved run's, naming them,
+    before any check of what a changed value would make inert (a GRU run
+    resumed with --torso mlp is refused for its torso, not its --gru-size)."""
+    def plain(value):
+        value = json.loads(json.dumps(value))
+        return value[0] if isinstance(value, list) and len(value) == 1 else value
+    grid = saved.get('grid') or {}
+    differing = []
+    for name in [field.name for field in dataclasses.fields(config_cls)] + list(flags.RUN_FIELDS):
+        if name not in args.given or name in HARMLESS_FIELDS or name not in saved:
+            continue
+        typed, kept = plain(getattr(args, name)), plain(grid.get(name, saved[name]))
+        if typed != kept and not (name == 'lr_decay_epochs' and not fields.decays_linearly(saved)):
+            differing.append((name, kept, typed))
+    if any(name == 'joint' for name, _, _ in differing):
+        raise common.UsageError(
+            f"{args.output_dir} holds a run {'with' if saved['joint'] else 'without'} --joint: "
+            "a saved run's --joint cannot change; use another --output-dir")
+    if differing:
+        raise common.UsageError(
+            f'{args.output_dir} holds a run with a different config; differing: '
+            + ', '.join(f'{name} (saved {kept!r}, now {typed!r})' for name, kept, typed in differing)
+            + '; use another --output-dir')
 
 
 def _with_source(message, args):
@@ -625,6 +652,10 @@ def _check_saved_config(run):
         raise common.UsageError(flags.pinned_schedule_message(run.output_dir,
                                                  saved['config']['lr_decay_epochs']))
     _check_same_devices(run, saved.get('devices'))
+    if 'joint' in differing:  # one optimiser or two: another state and another algorithm
+        raise common.UsageError(
+            f"{run.output_dir} holds a run {'with' if saved['config']['joint'] else 'without'} "
+            "--joint: a saved run's --joint cannot change; use another --output-dir")
     if differing:
         raise common.UsageError(
             f'{run.output_dir} holds a run with a different config; differing: '

@@ -881,8 +881,21 @@ def test_a_refusal_says_which_value_came_from_the_saved_run(tmp_path, capsys):
     rundir.save_checkpoint(os.path.join(out, 'checkpoint.npz'), {},
                            {'config': run_config, 'epoch': 1})
     before = open(os.path.join(out, 'checkpoint.npz'), 'rb').read()
+    # A GRU run resumed with --torso mlp: the refusal is of the torso typed
+    # (issue 53, item 8), not of a GRU field it would leave without effect.
     status, err = run_main(actor_critic.main, ['--output-dir', out, '--torso', 'mlp'], 'none',
                            capsys, small=['--quiet'])
+    assert status == 2
+    one_line(err, f"{out} holds a run with a different config; differing: torso (saved 'gru', "
+                  "now 'mlp')")
+    # A saved value that cannot act (an older version saved it): the note says
+    # where it came from, once.
+    run_config['torso'] = 'mlp'
+    rundir.save_checkpoint(os.path.join(out, 'checkpoint.npz'), {},
+                           {'config': run_config, 'epoch': 1})
+    before = open(os.path.join(out, 'checkpoint.npz'), 'rb').read()
+    status, err = run_main(actor_critic.main, ['--output-dir', out], 'none', capsys,
+                           small=['--quiet'])
     assert status == 2
     line = one_line(err, '--max-slice-length acts with --torso gru only',
                     f'(--max-slice-length 200 is from the run saved in {out}, not the command line)')
@@ -1080,3 +1093,41 @@ def test_an_inert_flag_is_refused_alike_by_the_cli_and_python(script, fields, fl
     assert result.returncode == 2
     assert result.stderr == f'{script}.py: error: {refused.value}\n'
     assert not out.exists()  # refused before anything is written
+
+
+# --joint on the GRU envs' settings, and what a joint run's refusals say
+# (issue 53, item 5).
+
+@pytest.mark.parametrize('env', ['MetaMaze-misc', 'BernoulliBandit-misc', 'PointRobot-misc'])
+def test_joint_takes_the_gru_envs_settings(env, monkeypatch):
+    captured = {}
+    monkeypatch.setattr(cli, 'run_experiment',
+                        lambda make_agent, config, grid, args, prog: captured.update(
+                            agent=make_agent(config), config=config))
+    actor_critic.main(['--env', env, '--joint', '--quiet'])  # checked, built, not run
+    assert captured['config'].joint and captured['config'].torso == 'gru'
+
+
+def test_a_joint_run_is_not_held_to_the_value_trainers_int32_counts():
+    """--joint has no value trainer: 40M epochs x 64 value steps (its default,
+    unused) past int32 is no refusal; the policy's own counts still are."""
+    small = dict(n_envs=1, n_interactions_per_epoch=16, batch_size=16, hidden_sizes=(8,),
+                 epochs=40_000_000, train_steps_per_epoch=1, joint=True)
+    actor_critic.make_agent(actor_critic.Config(**small))  # no UsageError
+    with pytest.raises(common.UsageError, match='policy gradient steps per run would be'):
+        actor_critic.make_agent(actor_critic.Config(**{**small, 'train_steps_per_epoch': 64}))
+
+
+def test_a_resume_that_changes_joint_says_so(tmp_path, capsys):
+    import dataclasses
+    out = str(tmp_path / 'run')
+    os.makedirs(out)
+    config = actor_critic.Config()
+    run_config = json.loads(json.dumps({'algorithm': 'actor_critic', **dataclasses.asdict(config),
+                                        'grid': {}, 'seed': 0, 'num_seeds': 1}))
+    rundir.save_checkpoint(os.path.join(out, 'checkpoint.npz'), {},
+                           {'config': run_config, 'epoch': 1})
+    status, err = run_main(actor_critic.main, ['--output-dir', out, '--joint'], 'none', capsys,
+                           small=['--quiet'])
+    assert status == 2
+    one_line(err, f"{out} holds a run without --joint: a saved run's --joint cannot change")
