@@ -121,6 +121,19 @@ def reference_runs(tmp_path_factory, cache_dir):
     return _ReferenceRuns(tmp_path_factory, cache_dir)
 
 
+def test_a_finished_run_dir_holds_only_what_usage_md_lists(reference_runs):
+    """Every name a finished run leaves (run.lock included: kept, and safe)
+    is one docs/usage.md's run-directory list explains."""
+    usage = open(os.path.join(ROOT, 'docs', 'usage.md')).read()
+    listed = usage[usage.index('## Flags, output and the run directory'):]
+    listed = listed[:listed.index('\n## ', 3)]
+    names = sorted(os.listdir(reference_runs['dqn']))
+    assert {'config.json', 'metrics.jsonl', 'checkpoint.npz', 'summary.json', 'run.lock'} <= set(names)
+    for name in names:
+        assert f'`{name}' in listed, (name, 'docs/usage.md does not say what it is')
+    assert 'safe to leave and safe to delete' in listed
+
+
 # ---------------------------------------------------------------------------
 # Resume
 # ---------------------------------------------------------------------------
