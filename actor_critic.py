@@ -930,19 +930,21 @@ def make_agent(config: Config, given=None) -> common.Agent:
     check_slices(config, policy, steps)
     epochs = config.lr_decay_epochs or config.epochs
     env_steps = fields.env_steps_factors(config, n_envs, steps, max_steps)
-    value_steps = [] if config.joint else [  # --joint: the value net trains in the policy's
+    value = [] if config.joint else [  # --joint: the value net trains in the policy's steps
         ('value gradient steps', [('--epochs', config.epochs), ('--value-train-steps-per-epoch',
-                                                                config.value_train_steps_per_epoch)]),
+                                                                config.value_train_steps_per_epoch)])]
+    value_lr = [] if config.joint else [
         ("the value learning-rate schedule's steps",
          [('--lr-decay-epochs', epochs),
           ('--value-train-steps-per-epoch', config.value_train_steps_per_epoch)])]
     fields.check_int32_products([  # the counters and the replay's row index
         ('policy gradient steps', [('--epochs', config.epochs),
                                    ('--train-steps-per-epoch', config.train_steps_per_epoch)]),
+        *value,
         ('env steps', [('--epochs', config.epochs), *env_steps]),
         ("the learning-rate schedule's steps",
          [('--lr-decay-epochs', epochs), ('--train-steps-per-epoch', config.train_steps_per_epoch)]),
-        *value_steps,
+        *value_lr,
         ('replay steps', [('--n-replay-epochs', config.n_replay_epochs), *env_steps])])
     spec = Spec(
         config=config, policy=policy,
