@@ -45,7 +45,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 import fields  # noqa: E402
 import stats  # noqa: E402
-from harness import flags  # noqa: E402
 
 PROG = 'results.py'
 FIRST_EVALUATION_SEED = 1000  # seeds below are for tuning: never reported
@@ -79,7 +78,7 @@ Row = collections.namedtuple('Row', 'id group env algo command plain aggregate')
 
 def pqn_flags():
     import dqn  # its PQN_MINATAR, as docs/dqn.md's "PQN as settings" gives it
-    return flags.settings_flags(dqn.PQN_MINATAR)
+    return fields.settings_flags(dqn.PQN_MINATAR)
 
 
 # gymnax-blines' MinAtar PPO config, in actor_critic.py's flags.
@@ -94,6 +93,17 @@ GROUPS = [  # in table order; `seeds`: what `run` is told for the group's rows
     Group('memory', '1000:1032', {}),
     Group('MinAtar 10M', '1000:1002', {'$PQN': pqn_flags(), '$PPO_BLINES': PPO_BLINES}),
 ]
+
+
+# What a group's baselines are, under its table.
+GROUP_NOTES = {'MinAtar 10M': (
+    'Anchors, each on its own protocol: the baseline column is gymnax-blines\' PPO (MLP '
+    '2x256, 10M env steps, one seed, the sampled policy; Breakout\'s committed log ends at '
+    '22.9, not 28); Pgx\'s PPO with a CNN at 20M steps, read from its plot, is about 22 '
+    '(Asterix), 50 (Breakout), 63 (Freeway) and 145 (SpaceInvaders); PQN (purejaxql) '
+    'publishes no per-game MinAtar returns. Ours: the greedy policy on 128 episodes per '
+    'seed at the last epoch, IQM over the seeds; steps/s counts every seed\'s env steps '
+    'over the whole command\'s wall time.')}
 
 
 def row_table():
@@ -364,7 +374,7 @@ def row_config(row):
     module = importlib.import_module(script[:-3])
     captured = {}
 
-    def capture(make_agent, config, grid, args, prog):
+    def capture(make_agent, config, grid, args, prog, agent=None):
         captured.update(algorithm=script[:-3], **dataclasses.asdict(config), grid=grid)
         return True
 
@@ -643,9 +653,12 @@ def table_line(record, legend):
     point, low, high, mean, worst = summary_of(record)
     steps = f'{record["env_steps_per_seed"]:,}'
     wall = wall_text(record)
+    rate = (f'{record["env_steps_per_seed"] * len(record["seeds"]) / record["wall_s"]:,.0f}'
+            if record['wall_s'] else 'n/a')
     return (f'| {shown_command(record, legend)} | {record["env"]} | {fmt(point)} '
             f'[{fmt(low)}, {fmt(high)}] | {fmt(mean)} | {fmt(worst)} | '
-            f'{seeds_text(record["seeds"])} | {steps} | {wall} | {verdict(record)[0]} |')
+            f'{seeds_text(record["seeds"])} | {steps} | {wall} | {rate} | '
+            f'{verdict(record)[0]} |')
 
 
 def row_notes(records):
@@ -672,11 +685,13 @@ def group_section(data, group):
     lines = [f'## {group.name}', '']
     if records:
         lines += ['| command | env | IQM [95% CI] | mean | worst seed | seeds | env steps per '
-                  'seed | wall s | target / baseline |', '|---|---|---|---|---|---|---|---|---|']
+                  'seed | wall s | steps/s | target / baseline |',
+                  '|---|---|---|---|---|---|---|---|---|---|']
         lines += [table_line(record, group.legend) for record in records]
         lines.append('')
     lines += [f'- `{name}` = `{text}`' for name, text in group.legend.items()]
-    lines += [''] if group.legend else []
+    lines += [f'- {GROUP_NOTES[group.name]}'] if group.name in GROUP_NOTES else []
+    lines += [''] if group.legend or group.name in GROUP_NOTES else []
     missed = dict.fromkeys(r['env'] for r in records if not verdict(r)[1] and r['env'] in NOTES)
     notes = [f'{env}: {NOTES[env]}.' for env in missed] + row_notes(records)
     lines += [f'- {note}' for note in notes] + ([''] if notes else [])
