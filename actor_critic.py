@@ -46,7 +46,6 @@ from typing import NamedTuple, Optional
 import chex
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
 import common
@@ -88,6 +87,8 @@ def awr_objective(log_probs, old_log_probs, adv, weight, hp):
 
 POLICY_OBJECTIVES = {'a2c': a2c_objective, 'ppo': ppo_objective, 'awr': awr_objective}
 OFF_POLICY = ('awr',)  # objectives that take no old_log_probs: they train on a replay
+VALUE_UNDER_JOINT = ('under it the value network trains in the policy\'s steps (--batch-size, '
+                     '--train-steps-per-epoch)')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,20 +137,23 @@ class Config:
     advantage_estimator: str = fields.option(
         'gae', 'monte_carlo, td_k, td_lambda or gae over the value network (Trax: td_lambda)',
         choices=ESTIMATORS)
-    lambda_: float = fields.option(0.95, 'td_lambda / gae lambda (Trax: 0.95)', sweep=True,
-                                    bounds='[0, 1]')
+    lambda_: float = fields.option(0.95, 'td_lambda\'s and gae\'s lambda (Trax: 0.95)',
+                                   sweep=True, bounds='[0, 1]',
+                                   acts_with=('advantage_estimator', ('td_lambda', 'gae')))
     added_policy_slice_length: int = fields.option(
         32, 'the estimators\' margin: how many steps past a step its advantage looks '
         '(td_k: k); at least the rows\' length, gae and td_lambda run over the whole row '
         'in one pass; Trax: 0, with which td_lambda and gae give 0', bounds='[0, inf)')
-    epsilon: float = fields.option(0.2, 'ppo: clip the ratio to [1 - this, 1 + this] '
-                                   '(Trax: 0.2)', sweep=True, bounds='(0, inf)')
+    epsilon: float = fields.option(0.2, 'clip the ratio to [1 - this, 1 + this] (Trax: 0.2)',
+                                   sweep=True, bounds='(0, inf)',
+                                   acts_with=('policy_loss', ('ppo',)))
     beta: float = fields.option(
-        1.0, 'awr: the temperature of the weights exp(A / beta), A normalised (Trax: 1)',
-        sweep=True, bounds='(0, inf)', aliases=('--awr-beta',))
+        1.0, 'the temperature of the weights exp(A / beta), A normalised (Trax: 1)',
+        sweep=True, bounds='(0, inf)', aliases=('--awr-beta',),
+        acts_with=('policy_loss', ('awr',)))
     w_max: float = fields.option(
-        20.0, 'awr: each weight is capped at this (Trax: 20)', sweep=True, bounds='(0, inf)',
-        aliases=('--awr-max-weight',))
+        20.0, 'each weight is capped at this (Trax: 20)', sweep=True, bounds='(0, inf)',
+        aliases=('--awr-max-weight',), acts_with=('policy_loss', ('awr',)))
     advantage_normalization_factor: float = fields.option(
         1.0, 'normalised advantages are multiplied by this (Trax: 1)', sweep=True)
     advantage_normalization_epsilon: float = fields.option(
@@ -159,14 +163,17 @@ class Config:
         sweep=True, bounds='[0, inf)')
     value_lr: float = fields.option(
         1e-3, 'value network Adam learning rate (the same --lr-schedule factors)', sweep=True,
-        bounds='(0, inf)')
+        bounds='(0, inf)', acts_with=('joint', (False,), 'under it one Adam at --lr trains both'))
     value_batch_size: int = fields.option(
-        128, 'value minibatch (0: every step of the epoch; Trax: 64)', bounds='[0, inf)')
+        128, 'value minibatch (0: every step of the epoch; Trax: 64)', bounds='[0, inf)',
+        acts_with=('joint', (False,), VALUE_UNDER_JOINT))
     value_train_steps_per_epoch: int = fields.option(
-        64, 'value gradient steps per epoch (Trax: 500)', bounds='[1, inf)')
+        64, 'value gradient steps per epoch (Trax: 500)', bounds='[1, inf)',
+        acts_with=('joint', (False,), VALUE_UNDER_JOINT))
     value_evals_per_epoch: int = fields.option(
         1, 'value chunks per epoch; the target value network is synced before the first '
-        'and after each (Trax: 1)', bounds='[1, inf)')
+        'and after each (Trax: 1)', bounds='[1, inf)',
+        acts_with=('joint', (False,), VALUE_UNDER_JOINT))
     scale_value_targets: bool = fields.option(
         False, 'the value network predicts V * (1 - gamma) (Trax: off)')
     joint: bool = fields.option(
@@ -174,22 +181,25 @@ class Config:
         '--value-loss-coeff x the value loss - the entropy bonus (Trax\'s ActorCriticJointAgent; '
         'PureJaxRL); the value network\'s own --value-* steps and optimiser are gone')
     shared_torso: bool = fields.option(
-        False, '--joint: the policy and value heads share one torso (Trax\'s joint model); '
-        'without it each has its own (PureJaxRL, CleanRL)')
+        False, 'the policy and value heads share one torso (Trax\'s joint model); without '
+        'it each has its own (PureJaxRL, CleanRL)',
+        acts_with=('joint', (True,), 'separate losses need separate networks'))
     value_loss_coeff: float = fields.option(
-        0.5, '--joint: the value loss\'s weight in the combined loss (Trax\'s PPOJoint: 0.1; '
-        'PureJaxRL: 0.5 on half the squared error)', sweep=True, bounds='[0, inf)')
+        0.5, 'the value loss\'s weight in the combined loss (Trax\'s PPOJoint: 0.1; '
+        'PureJaxRL: 0.5 on half the squared error)', sweep=True, bounds='[0, inf)',
+        acts_with=('joint', (True,)))
     torso: str = fields.option(
         'auto', 'policy and value torso: mlp, conv (3x3 convs, ReLU, flatten), auto (conv '
         'for [height, width, channels] observations, mlp otherwise) or gru: auto\'s layers, '
         'then a GRU whose state carries through each episode; it trains on sequences of '
         '--max-slice-length steps from the state stored at their first step',
         choices=policies.TORSOS)
-    gru_size: int = fields.option(64, '--torso gru: the GRU\'s state size', bounds='[1, inf)')
+    gru_size: int = fields.option(64, 'the GRU\'s state size', bounds='[1, inf)',
+                                  acts_with=('torso', ('gru',)))
     max_slice_length: Optional[int] = fields.option(
-        None, '--torso gru: steps per training sequence (truncated backpropagation through '
-        'time; Trax\'s max_slice_length); must divide the rows\' length and the batch '
-        'sizes (default: the rows\' length)', bounds='[1, inf)')
+        None, 'steps per training sequence (truncated backpropagation through time; Trax\'s '
+        'max_slice_length); must divide the rows\' length and the batch sizes (default: '
+        'the rows\' length)', bounds='[1, inf)', acts_with=('torso', ('gru',)))
     conv_channels: tuple[int, ...] = fields.option(
         (16,), 'conv torso: channels of each 3x3 stride-1 conv (MinAtar paper: 16)',
         bounds='[1, inf)')
@@ -205,8 +215,9 @@ class Config:
         False, 'Box actions: gSDE (Raffin et al. 2022): the noise is the policy\'s last '
         'hidden features times a random weight matrix held for --sde-sample-freq steps')
     sde_sample_freq: int = fields.option(
-        0, 'gSDE: steps between draws of the noise weights (0: one draw per epoch\'s '
-        'rollout, as stable-baselines3\'s -1)', bounds='[0, inf)')
+        0, 'gSDE\'s steps between draws of the noise weights (0: one draw per epoch\'s '
+        'rollout, as stable-baselines3\'s -1)', bounds='[0, inf)',
+        acts_with=('state_dependent_exploration', (True,)))
     n_eval_episodes: int = fields.option(16, 'episodes per evaluation (0: no evaluation)', bounds='[0, inf)')
     eval_steps: Optional[tuple[int, ...]] = fields.option(
         None, 'evaluation horizons, e.g. 200,500 (default: max_steps)', bounds='[1, inf)')
@@ -918,11 +929,9 @@ def make_agent(config: Config, given=None) -> common.Agent:
     command line), derive its Spec and build A2C's, PPO's or AWR's phases."""
     fields.check_grid(config, {}, check_runs)
     policy = policies.policy_spec(config)
-    inert = policies.inert_fields(config, policy)
-    if not policy.gru_size:
-        inert['max_slice_length'] = 'acts with --torso gru only'
     fields.check_inert(config, {**fields.shared_inert(config, policies.feature_torso(
-        policy.torso, policy.obs_shape), policy.env_params), **inert}, given)
+        policy.torso, policy.obs_shape), policy.env_params), **policies.inert_fields(
+        config, policy)}, given)
     max_steps = policy.max_steps
     fresh = bool(config.n_trajectories_per_epoch)
     n_envs = config.n_trajectories_per_epoch if fresh else config.n_envs
@@ -1053,8 +1062,8 @@ MODE_ENV_SETTINGS = {
 
 # The value network's own trainer (Trax's value_* settings): under --joint
 # it trains in the policy's steps, so these cannot act there.
-VALUE_ONLY = ('value_lr', 'value_batch_size', 'value_train_steps_per_epoch',
-              'value_evals_per_epoch')
+VALUE_ONLY = tuple(field.name for field in dataclasses.fields(Config)
+                   if (field.metadata['acts_with'] or ())[:2] == ('joint', (False,)))
 
 
 def env_settings(policy_loss, env, joint=False):
@@ -1083,39 +1092,26 @@ def check_runs(config: Config, runs):
                     'must be set (the other to none)')
     if config.n_interactions_per_epoch and config.n_interactions_per_epoch % config.n_envs:
         raise error(f'--n-interactions-per-epoch ({config.n_interactions_per_epoch}) must be a '
-                    f'multiple of --n-envs ({config.n_envs})')
+                    f'multiple of --n-envs ({config.n_envs})', field='n_interactions_per_epoch')
     if config.train_steps_per_epoch % config.evals_per_epoch:
         raise error(f'--train-steps-per-epoch ({config.train_steps_per_epoch}) must be '
-                    f'divisible by --evals-per-epoch ({config.evals_per_epoch})')
+                    f'divisible by --evals-per-epoch ({config.evals_per_epoch})',
+                    field='train_steps_per_epoch')
     common.schedule_factors(config.lr_schedule)
     estimator = config.advantage_estimator
     if estimator in ('td_k', 'td_lambda', 'gae') and config.added_policy_slice_length < 1:
         raise error(f'--advantage-estimator {estimator} needs --added-policy-slice-length >= 1 '
-                    '(with 0 it looks no step ahead: td_k has no k, td_lambda and gae give 0)')
+                    '(with 0 it looks no step ahead: td_k has no k, td_lambda and gae give 0)',
+                    field='advantage_estimator')
     if config.n_replay_epochs > 1 and config.policy_loss not in OFF_POLICY:
         raise error(f'--n-replay-epochs {config.n_replay_epochs} needs the off-policy '
                     f'--policy-loss awr: {config.policy_loss} trains on the policy that '
-                    'collected its steps (Trax asserts 1 for it too)')
+                    'collected its steps (Trax asserts 1 for it too)', field='n_replay_epochs')
     if config.value_train_steps_per_epoch % config.value_evals_per_epoch:
         raise error(f'--value-train-steps-per-epoch ({config.value_train_steps_per_epoch}) must '
-                    f'be divisible by --value-evals-per-epoch ({config.value_evals_per_epoch})')
+                    f'be divisible by --value-evals-per-epoch ({config.value_evals_per_epoch})',
+                    field='value_train_steps_per_epoch')
     check_mode_fields(config, runs)
-    check_joint(config)
-
-
-def check_joint(config):
-    """--shared-torso needs --joint; the value trainer's own flags cannot act
-    under it (saved, they would bind a resume while changing nothing)."""
-    error = common.UsageError
-    if config.shared_torso and not config.joint:
-        raise error('--shared-torso acts with --joint only: separate losses need separate '
-                    'networks')
-    if config.joint:
-        for name in VALUE_ONLY[1:]:  # value_lr, a sweep, is check_mode_fields'
-            if getattr(config, name) != getattr(Config, name):
-                raise error(f'--{name.replace("_", "-")} acts without --joint only: under it the '
-                            'value network trains in the policy\'s steps (--batch-size, '
-                            '--train-steps-per-epoch)')
 
 
 def check_slices(config, policy, steps):
@@ -1126,44 +1122,21 @@ def check_slices(config, policy, steps):
     length = config.max_slice_length or steps
     if steps % length:
         raise error(f'--max-slice-length {length} must divide the rows\' length, {steps} '
-                    'steps (--n-interactions-per-epoch / --n-envs, or the episode cap)')
+                    'steps (--n-interactions-per-epoch / --n-envs, or the episode cap)',
+                    field='max_slice_length')
     for name in ('batch_size',) if config.joint else ('batch_size', 'value_batch_size'):
         if getattr(config, name) % length:  # (--joint: no value minibatches of their own)
-            raise error(f'--{name.replace("_", "-")} ({getattr(config, name)}) must be a '
+            raise error(f'{fields.flag(name)} ({getattr(config, name)}) must be a '
                         f'multiple of the sequences\' length ({length}): minibatches are '
                         'whole sequences')
 
 
-# Fields that act in some modes only: (the mode's field, the modes). Set away
-# from its default in another mode, one would be saved and bind a resume
-# while changing nothing, so it is refused.
-MODE_ONLY = {'epsilon': ('policy_loss', ('ppo',)), 'beta': ('policy_loss', ('awr',)),
-             'w_max': ('policy_loss', ('awr',)),
-             'lambda_': ('advantage_estimator', ('td_lambda', 'gae'))}
-
-
 def check_mode_fields(config, runs):
-    """Swept values that cannot act in this mode, and gamma 1 with scaled values."""
-    defaults = {field.name: field.default for field in dataclasses.fields(Config)}
-    # A swept field of one trainer only: --value-lr without --joint, and
-    # --value-loss-coeff with it.
-    off = 'value_loss_coeff' if not config.joint else 'value_lr'
-    if any(np.float32(run.get(off, defaults[off])) != np.float32(defaults[off]) for run in runs):
-        raise common.UsageError(
-            '--value-loss-coeff acts with --joint only' if off == 'value_loss_coeff' else
-            '--value-lr acts without --joint only: under it one Adam at --lr trains both')
+    """gamma 1 with scaled values (what acts in which mode: the fields' acts_with)."""
     for run in runs:
         if config.scale_value_targets and run['gamma'] == 1:
             raise common.UsageError('--scale-value-targets divides by 1 - gamma: it needs '
-                                    '--gamma < 1')
-        for name, (mode_field, modes) in MODE_ONLY.items():
-            mode = getattr(config, mode_field)
-            value = run.get(name, defaults[name])  # (float32 too: fields.check_grid)
-            if mode not in modes and np.float32(value) != np.float32(defaults[name]):
-                flag, mode_flag = (f'--{f.rstrip("_").replace("_", "-")}'
-                                   for f in (name, mode_field))
-                raise common.UsageError(f'{flag} acts with {mode_flag} {" or ".join(modes)} '
-                                        f'only, not {mode}')
+                                    '--gamma < 1', field='scale_value_targets')
 
 
 def settings_table(typed):

@@ -226,7 +226,13 @@ def remaining_evals(cur_step, epoch, train_steps_per_epoch, evals_per_epoch):
 # Environments ---------------------------------------------------------------
 
 class UsageError(ValueError):
-    """Bad input from the user: reported as one line and exit status 2."""
+    """Bad input from the user: reported as one line and exit status 2.
+    `field`: the Config field refused, if one; `inert`: refused as unable to
+    act with the other fields (an env's setting of it is dropped instead)."""
+
+    def __init__(self, message, field=None, inert=False):
+        super().__init__(message)
+        self.field, self.inert = field, inert
 
 
 INT32_MAX = 2 ** 31 - 1  # counters, sizes and seeds live in int32 arrays
@@ -412,12 +418,13 @@ TORSOS = ('auto', 'mlp', 'conv')
 def resolve_torso(torso, obs_shape, choices=TORSOS):
     """'mlp', 'conv' or 'gru' for --torso: auto means conv for rank-3 observations."""
     if torso not in choices:
-        raise UsageError(f'--torso must be one of {", ".join(choices)}, got {torso!r}')
+        raise UsageError(f'--torso must be one of {", ".join(choices)}, got {torso!r}',
+        field='torso')
     if torso == 'auto':
         return 'conv' if len(obs_shape) == 3 else 'mlp'
     if torso == 'conv' and len(obs_shape) != 3:
         raise UsageError(f'--torso conv needs [height, width, channels] observations; '
-                         f'this env\'s are {list(obs_shape)}')
+                         f'this env\'s are {list(obs_shape)}', field='torso')
     return torso
 
 
@@ -531,7 +538,7 @@ def schedule_factors(factors):
     names = [name.strip() for name in factors.split('*') if name.strip()]
     if not names:
         raise UsageError(f'--lr-schedule {factors!r} names no factor '
-                         "(e.g. 'constant' or 'constant * linear_decay')")
+                         "(e.g. 'constant' or 'constant * linear_decay')", field='lr_schedule')
     for name in names:
         if name not in SCHEDULE_FACTORS:
             raise UsageError(f'unknown schedule factor {name!r}; allowed: '

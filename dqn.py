@@ -35,7 +35,6 @@ from typing import NamedTuple, Optional
 import chex
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
 import common
@@ -107,7 +106,7 @@ class Config:
         'from the target net; dqn.TARGETS holds them', choices=TARGETS)
     lambda_: float = fields.option(
         0.95, 'td_lambda\'s lambda (Trax\'s estimators\' lambda_: 0.95; PQN on MinAtar: '
-        '0.65)', sweep=True, bounds='[0, 1]')
+        '0.65)', sweep=True, bounds='[0, 1]', acts_with=('advantage_estimator', ('td_lambda',)))
     double_dqn: bool = fields.option(True, 'pick a* by the online net (Trax default: off)')
     smoothl1loss: bool = fields.option(True, 'Huber (delta 1) loss; off: L2')
     scale_value_targets: bool = fields.option(
@@ -746,27 +745,24 @@ def check_runs(config: Config, runs):
                     'must be set (the other to none)')
     if config.n_interactions_per_epoch and config.n_interactions_per_epoch % config.n_envs:
         raise error(f'--n-interactions-per-epoch ({config.n_interactions_per_epoch}) must be a '
-                    f'multiple of --n-envs ({config.n_envs})')
+                    f'multiple of --n-envs ({config.n_envs})', field='n_interactions_per_epoch')
     if config.train_steps_per_epoch % config.evals_per_epoch:
         raise error(f'--train-steps-per-epoch ({config.train_steps_per_epoch}) must be '
-                    f'divisible by --evals-per-epoch ({config.evals_per_epoch})')
+                    f'divisible by --evals-per-epoch ({config.evals_per_epoch})',
+                    field='train_steps_per_epoch')
     if not config.conv_channels:
-        raise error('--conv-channels needs at least one layer')
+        raise error('--conv-channels needs at least one layer', field='conv_channels')
     if TARGETS[config.advantage_estimator] is replayed_target and \
             config.n_trajectories_per_epoch:
         raise error(f'--advantage-estimator {config.advantage_estimator} needs each env\'s '
                     'steps in order in the replay: use --n-interactions-per-epoch (not '
-                    '--n-trajectories-per-epoch, whose blocks keep only the valid rows)')
+                    '--n-trajectories-per-epoch, whose blocks keep only the valid rows)',
+                    field='advantage_estimator')
     common.schedule_factors(config.lr_schedule)
-    default_lambda = next(f.default for f in dataclasses.fields(Config) if f.name == 'lambda_')
     for run in runs:
         if run['gamma'] == 1 and config.scale_value_targets:
-            raise error('--gamma 1 needs --no-scale-value-targets (scale 1/(1-gamma))')
-        # Saved with the run and binding its resume while changing nothing: refused.
-        if (config.advantage_estimator != 'td_lambda'
-                and np.float32(run['lambda_']) != np.float32(default_lambda)):
-            raise error('--lambda acts with --advantage-estimator td_lambda only, '
-                        f'not {config.advantage_estimator}')
+            raise error('--gamma 1 needs --no-scale-value-targets (scale 1/(1-gamma))',
+                        field='gamma')
 
 
 def inert_fields(config):

@@ -10,13 +10,13 @@ checks, and runs a script where harness/ (the full command line) is absent.
     metrics.jsonl, config.json and summary.json.
 """
 
+import argparse
 import contextlib
 import dataclasses
 import decimal
 import json
 import math
 import os
-import re
 import signal
 import sys
 import time
@@ -31,15 +31,50 @@ import common
 # algorithm's cross-field rules for every caller (harness, plain_main, Python).
 
 
-def option(default, help, sweep=False, bounds=None, choices=None, aliases=()):
+def option(default, help, sweep=False, bounds=None, choices=None, aliases=(), acts_with=None):
     """A config field with its --help line and constraint. `sweep`: a comma list is
     a grid. `bounds`: '[1, inf)', '(0, 1]' (floats finite unless closed on inf).
-    `choices`: allowed strings or a registry dict. `aliases`: Trax's flag names."""
+    `choices`: allowed strings or a registry dict. `aliases`: Trax's flag names.
+    `acts_with`: (field, values[, why]): the field acts only while that field
+    holds one of the values; set off its default otherwise, it is refused."""
     if bounds is not None:
         Bounds.parse(bounds)  # a malformed interval fails at import, not at run time
     return dataclasses.field(default=default, metadata={
         'help': help, 'sweep': sweep, 'bounds': bounds, 'choices': choices,
-        'aliases': tuple(aliases)})
+        'aliases': tuple(aliases), 'acts_with': acts_with})
+
+
+def acts_with_text(acts_with):
+    """'acts with --torso gru only', 'acts without --joint only'."""
+    mode_field, values = acts_with[:2]
+    if tuple(values) in ((True,), (False,)):
+        return f'acts {"with" if values[0] else "without"} {flag(mode_field)} only'
+    return f'acts with {flag(mode_field)} {" or ".join(map(str, values))} only'
+
+
+def check_acts_with(config, runs):
+    """Refuse a field set off its default (in the config or any run's swept
+    value, as float32 holds it) while its `acts_with` mode is off: saved, it
+    would bind a resume and change nothing. The UsageError is `inert`."""
+    for field in dataclasses.fields(config):
+        acts_with = field.metadata.get('acts_with')
+        if not acts_with or getattr(config, acts_with[0]) in acts_with[1]:
+            continue
+        mode = getattr(config, acts_with[0])
+        values = [run[field.name] for run in runs] if runs and field.name in runs[0] else [
+            getattr(config, field.name)]
+        if any(_differs(value, field.default) for value in values):
+            raise common.UsageError(
+                f'{flag(field.name)} {acts_with_text(acts_with)}'
+                + ('' if isinstance(mode, bool) else f', not {mode}')
+                + (f': {acts_with[2]}' if len(acts_with) > 2 else ''),
+                field=field.name, inert=True)
+
+
+def _differs(value, default):
+    if isinstance(default, float) and not isinstance(value, bool):
+        return as_float32(value) != as_float32(default)
+    return value != default
 
 
 INT32_MAX = common.INT32_MAX  # counters and sizes live in int32 arrays
@@ -188,7 +223,8 @@ def check_fields(config, grid=None):
         for value in (grid or {}).get(field.name, [getattr(config, field.name)]):
             why = _value_error(field, kinds[field.name], value)
             if why:
-                raise common.UsageError(f'{flag(field.name)} {why}, got {_show(value)}')
+                raise common.UsageError(f'{flag(field.name)} {why}, got {_show(value)}',
+                                        field=field.name)
 
 
 def check_grid_fields(config, grid):
@@ -248,7 +284,9 @@ def check_grid(config, grid, check_runs):
     (--gamma 0.99999999 is 1, --lr 1e300 inf): common.UsageError naming them."""
     def check(config, grid):
         check_fields(config, grid)
-        check_runs(config, common.expand_runs(config, grid, 0, 1))
+        runs = common.expand_runs(config, grid, 0, 1)
+        check_runs(config, runs)
+        check_acts_with(config, runs)
     check(config, grid)
     try:
         check(*float32_values(config, grid))
@@ -295,7 +333,7 @@ def check_inert(config, inert, given=None):
             source = (given or {}).get(name) if isinstance(given, dict) else None
             raise common.UsageError(f'{flag(name)} {why}' + (
                 f' (it came from {source}: give {flag(name)} {_show(defaults[name])} to '
-                'override it)' if source else ''))
+                'override it)' if source else ''), field=name, inert=True)
 
 
 def shared_inert(config, torso, env_params):
@@ -322,8 +360,9 @@ def shared_inert(config, torso, env_params):
     return inert
 
 
-# The plain command line where harness/ is absent: every Config field a flag,
-# metrics.jsonl bitwise the full command line's for the same flags -----------
+# The one command line: an argparse parser built from the Config's fields,
+# which harness/ extends with its run flags; the plain driver runs it where
+# harness/ is absent, its metrics.jsonl bitwise the full command line's ------
 
 HARNESS_ADDS = ('no harness/ here, so a plain run that writes metrics.jsonl; copy harness/ '
                 'for checkpoints, resume, TensorBoard, sweeps over devices, processes, plots')
@@ -334,6 +373,13 @@ HARNESS_FLAGS = ('quiet', 'tensorboard', 'plot', 'only_eval', 'time_limit', 'che
                  'compile_cache', 'device', 'cpu_devices', 'batch_invariant', 'distributed',
                  'coordinator_address', 'num_processes', 'process_id', 'coordinator_timeout')
 CHUNK_EPOCHS = 256  # epochs per compiled call at most: the metric buffers' length
+
+
+def flag_names(name, aliases=()):
+    """Every spelling of a field's flag: flag()'s, the literal one of a
+    keyword's name (--lambda-), and Trax's aliases."""
+    literal = '--' + name.replace('_', '-')
+    return [flag(name), *([literal] if literal != flag(name) else []), *aliases]
 
 
 def parse_value(kind, text):
@@ -363,46 +409,148 @@ def parse_field(field, kinds, text, name):
         return tuple(values)
     if len(values) > 1 and not field.metadata.get('sweep'):
         raise common.UsageError(f'{name} takes one value (it changes shapes or the program), '
-                         f'got {text!r}')
+                                f'got {text!r}')
     return values if len(values) > 1 else values[0]
 
 
-def parse_flags(config_cls, argv):
-    """argv -> ({field: value} of the flags given, {run flag: value})."""
-    fields, kinds = {f.name: f for f in dataclasses.fields(config_cls)}, field_kinds(config_cls)
-    names = {flag(name): name for name in RUN_FLAGS}
-    for field in fields.values():
-        for name in (flag(field.name), '--' + field.name.replace('_', '-'),
-                     *field.metadata.get('aliases', ())):
-            names[name] = field.name
-    typed, run, argv = {}, dict(RUN_FLAGS), list(argv)
-    while argv:
-        arg = argv.pop(0)
-        name, equals, text = arg.partition('=')
-        negated = names.get('--' + name[5:]) if name.startswith('--no-') else None
-        field = names.get(name) or negated
-        if field is None and name.lstrip('-').replace('-', '_').removeprefix('no_') in HARNESS_FLAGS:
-            raise common.UsageError(f'{name} is a flag of harness/, the full command line, '
-                                    'which this copy lacks: copy the harness/ folder beside it')
-        if field is None:
-            raise common.UsageError(f'unrecognized argument {arg!r} (--help lists the flags)')
-        if kinds.get(field, (None,))[0] is bool:  # --flag / --no-flag
-            if equals:
-                raise common.UsageError(f'argument {name}: ignored explicit argument {text!r}')
-            typed[field] = negated is None
-            continue
-        if not equals:
-            if not argv:
-                raise common.UsageError(f'{name} needs a value')
-            text = argv.pop(0)
+def value_type(kind, is_tuple=False, optional=False, field=None, name=''):
+    """argparse's type for a flag: parse_field's value (a sweep field's always
+    a list), its UsageError as argparse's one-line error."""
+    field = field or dataclasses.field(metadata={})
+
+    def parse(text):
         try:
-            if field in fields:
-                typed[field] = parse_field(fields[field], kinds[field], text, name)
-            else:
-                run[field] = text if field == 'output_dir' else parse_value(int, text)
-        except common.UsageError as error:  # as argparse says it
-            raise common.UsageError(f'argument {name}: {error}') from None
-    return typed, run
+            value = parse_field(field, (kind, is_tuple, optional), text, name)
+        except common.UsageError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
+        return [value] if field.metadata.get('sweep') and not isinstance(value, list) else value
+    return parse
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse that reports a bad flag as one line on stderr, status 2;
+    `preamble`: --help's text above the per-env settings."""
+    preamble = ''
+
+    def error(self, message):
+        self.exit(2, f'{self.prog}: error: {message}\n')
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends each flag's default, unless its help already says what it is;
+    the epilog (how to read the output, the env settings table) keeps its lines."""
+
+    def _fill_text(self, text, width, indent):
+        return ''.join(indent + line for line in text.splitlines(keepends=True))
+
+    def _get_help_string(self, action):
+        if '(default' in (action.help or ''):
+            return action.help
+        return super()._get_help_string(action)
+
+
+def build_parser(config_cls, prog, description=''):
+    """One flag per Config field (its help, constraint and what it acts with)
+    and the run's seeds and folder; harness/ adds its own flags to it."""
+    parser = ArgumentParser(prog=prog, description=description, formatter_class=_HelpFormatter,
+                            add_help=False)
+    parser.add_argument('-h', '--help', action='store_true',
+                        help='show this help message (and the per-env settings) and exit')
+    kinds = field_kinds(config_cls)
+    for field in dataclasses.fields(config_cls):
+        names = flag_names(field.name, field.metadata.get('aliases', ()))
+        kind, is_tuple, optional = kinds[field.name]
+        constraint = constraint_text(field, kind)
+        help_text = field.metadata.get('help', '') + (f' {{{constraint}}}' if constraint else '')
+        if field.metadata.get('acts_with'):
+            help_text += f' ({acts_with_text(field.metadata["acts_with"])})'
+        if field.metadata.get('sweep'):
+            help_text += ' [comma list = sweep]'
+        if kind is bool:
+            parser.add_argument(*names, dest=field.name, default=field.default,
+                                action=argparse.BooleanOptionalAction, help=help_text)
+            continue
+        parser.add_argument(*names, dest=field.name, default=field.default, help=help_text,
+                            metavar=kind.__name__.upper(),
+                            type=value_type(kind, is_tuple, optional, field, names[0]))
+    run = parser.add_argument_group('run')
+    run.add_argument('--seed', type=value_type(int, name='--seed'), default=0,
+                     help='first seed; runs use seed, seed+1, ...')
+    run.add_argument('--num-seeds', type=value_type(int, name='--num-seeds'), default=1,
+                     help='independent seeds, vmapped in one program')
+    run.add_argument('--output-dir', default=None,
+                     help='where config.json, metrics.jsonl and summary.json go (default: a '
+                          'new folder under runs/)')
+    return parser
+
+
+def parse(parser, argv, settings, lacking=()):
+    """Parse argv, once -> (args, the dests given on the command line itself,
+    the settings table for them). `settings`: the table, or a function of the
+    typed values giving it; --help prints the flags and that table, exit 0.
+    `lacking`: flags of harness/ this copy has not, named as such.
+
+    The given dests let a layer of settings sit between the defaults and the
+    command line (an env's settings, a saved run's config): a flag typed
+    always wins, a flag left out takes the layer's value."""
+    defaults = {action.dest: action.default for action in parser._actions}
+    for action in parser._actions:
+        action.default = argparse.SUPPRESS
+    try:
+        args, unknown = parser.parse_known_args(argv)
+    finally:
+        for action in parser._actions:
+            action.default = defaults[action.dest]
+    for arg in unknown:
+        name = arg.partition('=')[0].lstrip('-').replace('-', '_')
+        if arg.startswith('--') and (name in lacking or name.removeprefix('no_') in lacking):
+            parser.error(f'{arg.partition("=")[0]} is a flag of harness/, the full command '
+                         'line, which this copy lacks: copy the harness/ folder beside it')
+    if unknown:
+        parser.error(f'unrecognized arguments: {" ".join(unknown)}')
+    given = set(vars(args)) - {'help'}
+    table = settings(vars(args)) if callable(settings) else settings
+    if getattr(args, 'help', False):
+        parser.epilog = '\n\n'.join(filter(None, (parser.preamble, env_settings_help(table))))
+        parser.print_help()
+        parser.exit()
+    for dest, default in defaults.items():
+        if not hasattr(args, dest):
+            setattr(args, dest, default)
+    return args, given, table
+
+
+def parse_flags(config_cls, argv):
+    """argv -> ({field: value} of the flags given, {run flag: value}), as
+    the one parser reads them (for Python callers and tests)."""
+    args, given, _ = parse(build_parser(config_cls, config_cls.__module__), argv, {})
+    names = {field.name for field in dataclasses.fields(config_cls)}
+    return ({name: getattr(args, name) for name in given & names},
+            {name: getattr(args, name) for name in RUN_FLAGS})
+
+
+def settings_flags(settings):
+    """{field: value} as the command-line flags that give those values."""
+    shown = []
+    for name, value in settings.items():
+        if isinstance(value, bool):
+            shown.append(flag(name) if value else '--no-' + flag(name)[2:])
+        elif isinstance(value, (tuple, list)):
+            shown.append(f'{flag(name)} {",".join(str(v) for v in value)}')
+        else:
+            shown.append(f'{flag(name)} {"none" if value is None else value}')
+    return ' '.join(shown)
+
+
+SETTINGS_HEADING = 'per-env settings'
+
+
+def env_settings_help(table):
+    """--help's per-env settings, one line per env, as the flags it amounts to."""
+    lines = [f'{SETTINGS_HEADING} (used when --env is one of these; a flag given on the '
+             'command line wins):']
+    lines += [f'  {env}: {settings_flags(settings)}' for env, settings in (table or {}).items()]
+    return '\n'.join(lines if table else lines + ['  (none)'])
 
 
 def env_settings(config_cls, table, typed, mode_field=None):
@@ -415,28 +563,24 @@ def env_settings(config_cls, table, typed, mode_field=None):
     return {name: value for name, value in entry.items() if name not in typed}
 
 
-# A refusal of a field that cannot act with the other flags (check_inert's, or
-# an algorithm's cross-field rule): `--max-slice-length acts with --torso gru only`.
-_INERT = re.compile(r'--([a-z0-9-]+) (?:acts with|acts on|has no effect|needs|takes effect)')
-
-
 def inert_setting(error, applied, typed):
     """The env setting (a key of `applied`, not typed) that `error` refuses as
     unable to act with the flags typed, or None. Such a setting is dropped, not
     refused: `--env MetaMaze-misc --torso mlp` runs without the GRU's settings."""
-    named = _INERT.match(str(error))
-    field = named and next((name for name in (named.group(1).replace('-', '_'),
-                                              named.group(1).replace('-', '_') + '_')
-                            if name in applied), None)
-    return field if field and field not in typed else None
+    field = getattr(error, 'field', None)
+    return field if getattr(error, 'inert', False) and field in applied and \
+        field not in typed else None
 
 
 def config_and_grid(config_cls, values):
     """(config with each sweep field at its first value, {field: [values]}),
-    the grid in field order (its outer loop first). An unset --lr-decay-epochs
-    is pinned to --epochs where the schedule decays linearly, so a resume
-    with more --epochs keeps the schedule (without linear_decay it cannot act:
-    pinned, a resume would refuse it as a field set to no effect)."""
+    the grid in field order (its outer loop first); a one-value list is that
+    value. An unset --lr-decay-epochs is pinned to --epochs where the
+    schedule decays linearly, so a resume with more --epochs keeps the
+    schedule (without linear_decay it cannot act: pinned, a resume would
+    refuse it as a field set to no effect)."""
+    values = {name: value[0] if isinstance(value, list) and len(value) == 1 else value
+              for name, value in values.items()}
     grid = {f.name: values[f.name] for f in dataclasses.fields(config_cls)
             if isinstance(values.get(f.name), list)}
     config = config_cls(**{name: value[0] if name in grid else value
@@ -461,20 +605,15 @@ def plain_main(config_cls, make_agent, settings, argv=None, mode_field=None):
     """An algorithm script's main() without harness/: parse, check as the
     full command line does (one line, exit 2), run, write metrics.jsonl."""
     prog = os.path.basename(sys.argv[0]) if argv is None else f'{config_cls.__module__}.py'
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if {'-h', '--help'} & set(argv):
-        kinds = field_kinds(config_cls)
-        print(f'usage: {prog} [--FIELD VALUE ...] [--seed N] [--num-seeds N] [--output-dir '
-              f'DIR]\n{HARNESS_ADDS}')
-        for f in dataclasses.fields(config_cls):
-            constraint = constraint_text(f, kinds[f.name][0])
-            print(f'  {flag(f.name)}: {f.metadata["help"]}'
-                  + (f' {{{constraint}}}' if constraint else '') + f' (default: {f.default})')
-        return {}
+    parser = build_parser(config_cls, prog)
+    parser.preamble = HARNESS_ADDS
+    args, given, table = parse(parser, sys.argv[1:] if argv is None else list(argv), settings,
+                               lacking=HARNESS_FLAGS)
+    names = [field.name for field in dataclasses.fields(config_cls)]
+    typed = {name: getattr(args, name) for name in names if name in given}
+    run = {name: getattr(args, name) for name in RUN_FLAGS}
     try:
         common.check_precision()
-        typed, run = parse_flags(config_cls, argv)
-        table = settings(typed) if callable(settings) else settings
         applied, dropped = env_settings(config_cls, table, typed, mode_field) or {}, {}
         if not (1 <= run['num_seeds'] and 0 <= run['seed']
                 and run['seed'] + run['num_seeds'] - 1 <= INT32_MAX):
@@ -486,6 +625,7 @@ def plain_main(config_cls, make_agent, settings, argv=None, mode_field=None):
                 agent = make_agent(config, given={
                     **dict.fromkeys(applied, f"{config.env}'s settings"), **dict.fromkeys(typed)})
                 check_grid(config, grid, agent.check_runs)
+                check_state_memory(agent, config, grid, run['seed'], run['num_seeds'])
                 break
             except common.UsageError as error:
                 name = inert_setting(error, applied, typed)
@@ -493,8 +633,7 @@ def plain_main(config_cls, make_agent, settings, argv=None, mode_field=None):
                     raise
                 dropped[name] = applied.pop(name)
     except common.UsageError as error:
-        print(f'{prog}: error: {error}', file=sys.stderr, flush=True)
-        sys.exit(2)
+        parser.error(str(error))
     print(f'{prog}: {HARNESS_ADDS}', file=sys.stderr, flush=True)
     if applied or dropped:
         print(f'{prog}: settings for {config.env}: {applied}'
@@ -554,6 +693,35 @@ def check_output_dir(output_dir):
         raise common.UsageError(f'--output-dir {output_dir}: {existing} is a file, not a folder')
     if not os.access(existing, os.W_OK | os.X_OK):
         raise common.UsageError(f'--output-dir {output_dir}: {existing} is not writable')
+
+
+def memory_available(device=None):
+    """Bytes free on `device`: what it reports (accelerators), else host RAM."""
+    stats = device.memory_stats() if hasattr(device, 'memory_stats') else None
+    if stats and 'bytes_limit' in stats:
+        return stats['bytes_limit'] - stats.get('bytes_in_use', 0)
+    try:
+        with open('/proc/meminfo') as meminfo:
+            info = dict(line.split(':', 1) for line in meminfo)
+        return int(info['MemAvailable'].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return os.sysconf('SC_AVPHYS_PAGES') * os.sysconf('SC_PAGE_SIZE')
+
+
+def check_state_memory(agent, config, grid, seed, num_seeds):
+    """UsageError before compiling when the runs' state (traced, not made),
+    twice over (the state and its update), cannot fit in the memory free: a
+    floor; harness/ also counts the phases' largest array."""
+    runs = common.expand_runs(config, grid or {}, seed, num_seeds)
+    state = jax.eval_shape(agent.batched('init'), common.run_keys(runs),
+                           common.hyperparameters(config, runs))
+    needed = 2 * sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(state))
+    available = memory_available(jax.devices()[0])
+    if needed > available:
+        raise common.UsageError(
+            f'{len(runs)} run(s) need at least {needed / 2**30:.1f} GiB (their state x 2) but '
+            f'{available / 2**30:.1f} GiB is available; lower --num-seeds, the grid or the '
+            'buffer sizes (--n-replay-epochs, --n-envs, ...)')
 
 
 def plain_run(agent, config, grid, seed, num_seeds, output_dir):

@@ -91,7 +91,8 @@ class Config:
         '[height, width, channels] observations, mlp otherwise) or gru: auto\'s layers, '
         'then a GRU whose state carries through each episode, trained by backpropagation '
         'through whole episodes (needs --batch-size 0)', choices=policies.TORSOS)
-    gru_size: int = fields.option(64, '--torso gru: the GRU\'s state size', bounds='[1, inf)')
+    gru_size: int = fields.option(64, 'the GRU\'s state size', bounds='[1, inf)',
+                                  acts_with=('torso', ('gru',)))
     conv_channels: tuple[int, ...] = fields.option(
         (16,), 'conv torso: channels of each 3x3 stride-1 conv (MinAtar paper: 16)',
         bounds='[1, inf)')
@@ -107,8 +108,9 @@ class Config:
         False, 'Box actions: gSDE (Raffin et al. 2022): the noise is the policy\'s last '
         'hidden features times a random weight matrix held for --sde-sample-freq steps')
     sde_sample_freq: int = fields.option(
-        0, 'gSDE: steps between draws of the noise weights (0: one draw per epoch\'s '
-        'rollout, as stable-baselines3\'s -1)', bounds='[0, inf)')
+        0, 'gSDE\'s steps between draws of the noise weights (0: one draw per epoch\'s '
+        'rollout, as stable-baselines3\'s -1)', bounds='[0, inf)',
+        acts_with=('state_dependent_exploration', (True,)))
     n_eval_episodes: int = fields.option(32, 'episodes per evaluation (0: no evaluation)', bounds='[0, inf)')
     eval_steps: Optional[tuple[int, ...]] = fields.option(
         None, 'evaluation horizons, e.g. 200,500 (default: max_steps)', bounds='[1, inf)')
@@ -466,14 +468,16 @@ def check_runs(config: Config, runs):
                     'must be set (the other to none)')
     if config.n_interactions_per_epoch and config.n_interactions_per_epoch % config.n_envs:
         raise error(f'--n-interactions-per-epoch ({config.n_interactions_per_epoch}) must be a '
-                    f'multiple of --n-envs ({config.n_envs})')
+                    f'multiple of --n-envs ({config.n_envs})', field='n_interactions_per_epoch')
     if config.train_steps_per_epoch % config.evals_per_epoch:
         raise error(f'--train-steps-per-epoch ({config.train_steps_per_epoch}) must be '
-                    f'divisible by --evals-per-epoch ({config.evals_per_epoch})')
+                    f'divisible by --evals-per-epoch ({config.evals_per_epoch})',
+                    field='train_steps_per_epoch')
     common.schedule_factors(config.lr_schedule)
     if config.torso == 'gru' and config.batch_size:
         raise error(f'--torso gru trains on whole episodes: it needs --batch-size 0, not '
-                    f'{config.batch_size} (Trax\'s length-1 slices have no past to remember)')
+                    f'{config.batch_size} (Trax\'s length-1 slices have no past to remember)',
+                    field='torso')
 
 
 def main(argv=None):

@@ -548,15 +548,11 @@ def evaluate_policy(spec, state, eval_tags, n_episodes):
 
 
 def inert_fields(config, spec):
-    """{field: why it cannot act} of the policy fields (fields.check_inert):
-    the Box-only and gSDE-only ones, and the GRU's size without the GRU."""
-    inert = {}
-    if spec.kind != 'box':
-        inert.update(dict.fromkeys(
-            ('state_dependent_exploration', 'init_log_std', 'sde_sample_freq'),
-            f'acts on Box (continuous) actions only; {config.env} has discrete actions'))
-    elif not config.state_dependent_exploration:
-        inert['sde_sample_freq'] = 'acts with --state-dependent-exploration only'
-    if not spec.gru_size:
-        inert['gru_size'] = 'acts with --torso gru only'
-    return inert
+    """{field: why it cannot act} of the Box-only policy fields on discrete
+    actions (fields.check_inert); what acts in which mode is each field's
+    acts_with."""
+    if spec.kind == 'box':
+        return {}
+    return dict.fromkeys(
+        ('state_dependent_exploration', 'init_log_std', 'sde_sample_freq'),
+        f'acts on Box (continuous) actions only; {config.env} has discrete actions')

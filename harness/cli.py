@@ -12,7 +12,6 @@ import importlib
 import importlib.util
 import json
 import os
-import re
 import signal
 import sys
 import threading
@@ -252,13 +251,16 @@ def main(config_cls, make_agent, check_runs, prog, description, argv=None,
 def _main(config_cls, make_agent, check_runs, prog, description, argv,
           env_settings, settings_mode_field):
     parser = flags.build_parser(config_cls, prog, description)
-    args, args.given, env_settings = flags.parse(parser, argv, env_settings)
+    args, args.given, env_settings = fields.parse(parser, argv, env_settings)
     try:
         common.check_precision()  # JAX_ENABLE_X64: before any value is checked or traced
         devices.use_cpu_devices(getattr(args, 'cpu_devices', None))  # before JAX starts
+        flags.enable_compile_cache(args.compile_cache,  # before make_agent's first program
+                                   explicit='compile_cache' in args.given)
     except common.UsageError as error:
         parser.error(str(error))
     applied = flags.apply_env_settings(config_cls, args, env_settings, settings_mode_field)
+    agent = None
     try:
         saved = flags.saved_run_config(args.output_dir)
         unsaved = None if saved is not None else flags.unsaved_run_config(args.output_dir)
@@ -274,60 +276,53 @@ def _main(config_cls, make_agent, check_runs, prog, description, argv,
                 say(f'{prog}: {args.output_dir} holds a run that stopped before its first '
                     'checkpoint: running it again from epoch 1 with its flags (config.json)')
         elif applied is None and not args.quiet:
-            mode = flags.settings_flags({settings_mode_field: env_settings[args.env][settings_mode_field]})
+            mode = fields.settings_flags({settings_mode_field: env_settings[args.env][settings_mode_field]})
             say(f'{prog}: the settings for {args.env} are for {mode}: not applied to '
-                f'{flags.settings_flags({settings_mode_field: getattr(args, settings_mode_field)})}')
+                f'{fields.settings_flags({settings_mode_field: getattr(args, settings_mode_field)})}')
         args.setting_sources = {  # where each value not typed came from, for messages
             **{name: f'the settings for {args.env}' for name in applied or {}},
             **{name: f'the run saved in {args.output_dir}' for name in (saved_flags or {})
                if name not in args.given}}
         fresh = saved_flags is None
 
-        config, grid, dropped = _checked_config(config_cls, make_agent, check_runs, args,
-                                                applied if fresh else None)
-        # The fields this command set, which make_agent refuses when they cannot
-        # act (fields.check_inert): typed, from the env's settings or the saved
-        # run (_with_source names where a value not typed came from).
-        args.set_fields = dict.fromkeys(sorted({*args.setting_sources, *args.given}))
+        config, grid, dropped, agent = _checked_config(config_cls, make_agent, check_runs, args,
+                                                       (applied or {}) if fresh else {})
         if fresh and (applied or dropped) and not args.quiet:
-            say(f'{prog}: settings for {args.env}: {flags.settings_flags(applied) or "none"}'
+            say(f'{prog}: settings for {args.env}: {fields.settings_flags(applied) or "none"}'
                 ' (a flag on the command line overrides each)'
-                + (f'; not applied: {flags.settings_flags(dropped)} (inert with the flags '
+                + (f'; not applied: {fields.settings_flags(dropped)} (inert with the flags '
                    'given)' if dropped else ''))
     except common.UsageError as error:
-        parser.error(_with_source(str(error), args))
-    return run_experiment(make_agent, config, grid, args, prog)
-
-
-_NAMED_FLAG = re.compile(r'--([a-z0-9-]+)')
+        parser.error(_with_source(error, args))
+    except ValueError as error:  # the env or a registry entry, as the run's set-up says it
+        _fail(prog, str(error), status=1)
+    return run_experiment(make_agent, config, grid, args, prog, agent)
 
 
 def _checked_config(config_cls, make_agent, check_runs, args, applied):
-    """(config, grid, dropped) after every check a flag meets before the run.
-    A setting of the env's that the flags typed make inert (refused as one
-    that cannot act: `--max-slice-length acts with --torso gru only` under
-    `--env MetaMaze-misc --torso mlp`) is not applied: it is dropped (back to
-    its default) and the checks run again. With `applied` (a new run's
-    settings, one process), the agent is built once here to meet its own
-    checks of that kind too."""
+    """(config, grid, dropped, agent) after every check a flag meets before
+    the run. A setting of the env's (in `applied`) that the flags typed make
+    inert (refused as one that cannot act: `--max-slice-length acts with
+    --torso gru only` under `--env MetaMaze-misc --torso mlp`) is not applied:
+    it is dropped (back to its default) and the checks run again. The agent is
+    made here, once, except before jax.distributed starts (no JAX backend
+    yet): then the run's set-up makes it (None here)."""
     dropped = {}
     defaults = {field.name: field.default for field in dataclasses.fields(config_cls)}
     while True:
+        # The fields this command set, which make_agent refuses when they cannot
+        # act (fields.check_inert): typed, from the env's settings or the saved
+        # run (_with_source names where a value not typed came from).
+        args.set_fields = dict.fromkeys(sorted({*args.setting_sources, *args.given} - {*dropped}))
         try:
             config, grid = flags.config_and_grid(config_cls, args)
             flags.check_run_flags(args)
             fields.check_grid(config, grid, check_runs)
-            if applied and not devices.distributed_requested(args):
-                try:  # (no JAX backend before jax.distributed: only without it)
-                    make_agent(config, given={**dict.fromkeys(applied),
-                                              **dict.fromkeys(args.given)})
-                except common.UsageError:
-                    raise
-                except Exception:  # noqa: BLE001 (the run's own set-up reports it)
-                    return config, grid, dropped
-            return config, grid, dropped
+            if devices.distributed_requested(args):
+                return config, grid, dropped, None
+            return config, grid, dropped, make_agent(config, given=args.set_fields)
         except common.UsageError as error:
-            field = fields.inert_setting(error, applied or {}, args.given)
+            field = fields.inert_setting(error, applied, args.given)
             if field is None:
                 raise
             dropped[field] = applied.pop(field)
@@ -360,26 +355,24 @@ def _check_typed_against_saved(config_cls, args, saved):
             + '; use another --output-dir')
 
 
-def _with_source(message, args):
-    """`message`, saying where the flag it starts with came from when it was
-    not typed (the env's settings, the saved run): never blamed as if typed."""
-    named = _NAMED_FLAG.match(message)
-    sources = getattr(args, 'setting_sources', {})
-    if not named:
-        return message
-    for name in (named.group(1).replace('-', '_'), named.group(1).replace('-', '_') + '_'):
-        if name in sources and name not in getattr(args, 'given', ()):
-            value = flags.settings_flags({name: getattr(args, name, None)})
-            return f'{message} ({value} is from {sources[name]}, not the command line)'
-    return message
+def _with_source(error, args):
+    """The refusal, saying where the value of the field it refuses came from
+    when it was not typed (the env's settings, the saved run): never blamed
+    as if typed."""
+    name, sources = getattr(error, 'field', None), getattr(args, 'setting_sources', {})
+    if name in sources and name not in getattr(args, 'given', ()):
+        value = fields.settings_flags({name: getattr(args, name, None)})
+        return f'{error} ({value} is from {sources[name]}, not the command line)'
+    return str(error)
 
 
-def run_experiment(make_agent, config, grid, args, prog):
-    """Parse-independent driver: set up, resume, loop epochs, save results."""
+def run_experiment(make_agent, config, grid, args, prog, agent=None):
+    """Parse-independent driver: set up, resume, loop epochs, save results
+    (`agent`: make_agent's for this config, if made already)."""
     try:
-        return _run_experiment(make_agent, config, grid, args, prog)
+        return _run_experiment(make_agent, config, grid, args, prog, agent)
     except common.UsageError as error:
-        _fail(prog, _with_source(str(error), args), local=getattr(error, 'local', False))
+        _fail(prog, _with_source(error, args), local=getattr(error, 'local', False))
     except ValueError as error:  # corrupt / mismatched checkpoint, remaining_evals
         _fail(prog, str(error), status=1, local=getattr(error, 'local', False))
     except (jax.errors.JaxRuntimeError, MemoryError) as error:
@@ -393,8 +386,8 @@ def run_experiment(make_agent, config, grid, args, prog):
                     '(lower --num-seeds, the grid or the buffer sizes)', status=1)
 
 
-def _run_experiment(make_agent, config, grid, args, prog):
-    run = _set_up(make_agent, config, grid, args, prog)
+def _run_experiment(make_agent, config, grid, args, prog, agent):
+    run = _set_up(make_agent, config, grid, args, prog, agent)
     try:
         with _writer_lock(run.output_dir):  # one writer per run dir, from here on
             return _locked_experiment(run, args, prog)
@@ -494,12 +487,10 @@ class _Run:
         return os.path.join(self.output_dir, 'metrics.jsonl')
 
 
-def _set_up(make_agent, config, grid, args, prog):
+def _set_up(make_agent, config, grid, args, prog, agent=None):
     """Check the flags and the output dir before compiling; write nothing."""
     wall_start = time.time()
     common.check_precision()
-    flags.enable_compile_cache(getattr(args, 'compile_cache', None),
-                               explicit='compile_cache' in getattr(args, 'given', ()))
     flags.check_run_flags(args)
     if getattr(args, 'tensorboard', True) and importlib.util.find_spec('tensorboardX') is None:
         raise common.UsageError('TensorBoard summaries need the tensorboardX package '
@@ -509,7 +500,8 @@ def _set_up(make_agent, config, grid, args, prog):
     runs = common.expand_runs(config, grid, args.seed, args.num_seeds)
     # make_agent checks the config, the env and the fields that cannot act.
     # (a refusal says where its value came from: run_experiment adds that)
-    agent = make_agent(config, given=getattr(args, 'set_fields', getattr(args, 'given', set())))
+    agent = agent or make_agent(config, given=getattr(args, 'set_fields',
+                                                      getattr(args, 'given', set())))
     sharding = devices._run_sharding(len(runs), args.device)
     pad = devices.lone_run_padding(len(runs), sharding, getattr(args, 'batch_invariant', True))
     hp = _pad_rows(common.hyperparameters(config, runs), pad)

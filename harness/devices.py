@@ -16,6 +16,7 @@ import jax
 import numpy as np
 
 import common
+import fields
 
 
 # Outputs XLA fuses into their consumers instead of materialising.
@@ -54,17 +55,7 @@ def memory_needed(agent, hp, keys):
         f'{largest / 2**30:.2f} GiB'
 
 
-def memory_available(device):
-    """Bytes free on `device`: what it reports (accelerators), else host RAM."""
-    stats = device.memory_stats() if hasattr(device, 'memory_stats') else None
-    if stats and 'bytes_limit' in stats:
-        return stats['bytes_limit'] - stats.get('bytes_in_use', 0)
-    try:
-        with open('/proc/meminfo') as meminfo:
-            fields = dict(line.split(':', 1) for line in meminfo)
-        return int(fields['MemAvailable'].split()[0]) * 1024
-    except (OSError, KeyError, ValueError):
-        return os.sysconf('SC_AVPHYS_PAGES') * os.sysconf('SC_PAGE_SIZE')
+memory_available = fields.memory_available
 
 
 # Fields whose values size a run's state or a phase's arrays (each script has

@@ -17,27 +17,6 @@ from harness import devices
 from harness import rundir
 
 
-class ArgumentParser(argparse.ArgumentParser):
-    """argparse that reports a bad flag as one line on stderr, status 2."""
-
-    def error(self, message):
-        self.exit(2, f'{self.prog}: error: {message}\n')
-
-
-def _flag_parser(kind, is_tuple, optional, sweep, flag):
-    """argparse's type for a flag: fields.parse_field's value (a sweep field's
-    always a list), its UsageError as argparse's one-line error."""
-    field = dataclasses.field(metadata={'sweep': sweep})
-
-    def parse(text):
-        try:
-            value = fields.parse_field(field, (kind, is_tuple, optional), text, flag)
-        except common.UsageError as error:
-            raise argparse.ArgumentTypeError(str(error)) from None
-        return [value] if sweep and not isinstance(value, list) else value
-    return parse
-
-
 DEFAULT_COMPILE_CACHE = os.environ.get(
     'JAX_COMPILATION_CACHE_DIR', os.path.join(os.path.expanduser('~'), '.cache', 'trax-rl-jax'))
 
@@ -74,72 +53,25 @@ def unusable_directory(path):
     return None
 
 
-class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Appends each flag's default, unless its help already says what it is;
-    the epilog (the env settings table) keeps its lines."""
-
-    def _fill_text(self, text, width, indent):
-        if text.startswith((_SETTINGS_HEADING, READING_THE_OUTPUT[:20])):
-            return ''.join(indent + line for line in text.splitlines(keepends=True))
-        return super()._fill_text(text, width, indent)
-
-    def _get_help_string(self, action):
-        if '(default' in (action.help or ''):
-            return action.help
-        return super()._get_help_string(action)
-
-
 def build_parser(config_cls, prog, description):
-    """A parser with one flag per config field plus the run flags; its own
-    --help, which parse() answers once the settings table is known."""
-    parser = ArgumentParser(prog=prog, description=description, formatter_class=_HelpFormatter,
-                            add_help=False)
-    parser.add_argument('-h', '--help', action='store_true',
-                        help='show this help message (and the per-env settings) and exit')
-    _add_config_flags(parser, config_cls)
+    """The one parser (fields.build_parser: a flag per config field, the seeds
+    and the folder) with harness/'s run and process flags; its --help adds how
+    to read the output to the per-env settings."""
+    parser = fields.build_parser(config_cls, prog, description)
+    parser.preamble = READING_THE_OUTPUT
+    parser._option_string_actions['--output-dir'].help = (
+        'where config, metrics, checkpoint and summary go; an existing run there is '
+        'resumed (default: a new folder under runs/)')
     _add_run_flags(parser)
     _add_process_flags(parser)
     return parser
 
 
-def _add_config_flags(parser, config_cls):
-    """One flag per Config field, its help line ending in the constraint."""
-    kinds = fields.field_kinds(config_cls)
-    for field in dataclasses.fields(config_cls):
-        flag = '--' + field.name.replace('_', '-')
-        # A name that is a Python keyword plus '_' (Trax's `lambda_`) is typed
-        # without the underscore: --lambda (the literal --lambda- works too).
-        flags = [flag.rstrip('-'), flag] if field.name.endswith('_') else [flag]
-        flags += list(field.metadata.get('aliases', ()))
-        kind, is_tuple, optional = kinds[field.name]
-        help_text = field.metadata.get('help', '')
-        constraint = fields.constraint_text(field, kind)
-        if constraint:
-            help_text += f' {{{constraint}}}'
-        sweep = field.metadata.get('sweep', False)
-        if sweep:
-            help_text += ' [comma list = sweep]'
-        if kind is bool:
-            parser.add_argument(*flags, dest=field.name, default=field.default,
-                                action=argparse.BooleanOptionalAction, help=help_text)
-        else:
-            parser.add_argument(*flags, dest=field.name, default=field.default,
-                                type=_flag_parser(kind, is_tuple, optional, sweep, flags[0]),
-                                metavar=kind.__name__.upper(), help=help_text)
-
-
 def _add_run_flags(parser):
     """Flags of the run rather than the algorithm: seeds, output, devices, files."""
-    run = parser.add_argument_group('run')
-    run.add_argument('--seed', type=_flag_parser(int, False, False, False, '--seed'),
-                     default=0, help='first seed; runs use seed, seed+1, ...')
-    run.add_argument('--num-seeds', type=_flag_parser(int, False, False, False, '--num-seeds'),
-                     default=1, help='independent seeds, vmapped in one program')
-    run.add_argument('--output-dir', default=None,
-                     help='where config, metrics, checkpoint and summary go; an existing '
-                          'run there is resumed (default: a new folder under runs/)')
+    run = next(group for group in parser._action_groups if group.title == 'run')
     run.add_argument('--checkpoint-every', default=None, metavar='EPOCHS',
-                     type=_flag_parser(int, False, True, False, '--checkpoint-every'),
+                     type=fields.value_type(int, optional=True, name='--checkpoint-every'),
                      help='epochs between checkpoints, and always the last (default: one a '
                           'minute of wall time, written by a background thread)')
     run.add_argument('--only-eval', action='store_true',
@@ -147,15 +79,15 @@ def _add_run_flags(parser):
     run.add_argument('--plot', action='store_true',
                      help='write learning_curve.png to the output dir')
     run.add_argument('--device', default=None,
-                     type=_flag_parser(int, False, True, False, '--device'),
+                     type=fields.value_type(int, optional=True, name='--device'),
                      help='run on this one device index (default: shard runs over all)')
     run.add_argument('--cpu-devices', default=None, metavar='N',
-                     type=_flag_parser(int, False, True, False, '--cpu-devices'),
+                     type=fields.value_type(int, optional=True, name='--cpu-devices'),
                      help='CPU: split the host into N JAX devices, so the runs are sharded '
                           'over N cores; each device computes the one-device program on its '
                           'runs, bitwise the same numbers (default: JAX\'s, one CPU device)')
     run.add_argument('--time-limit', default=None, metavar='SECONDS',
-                     type=_flag_parser(float, False, True, False, '--time-limit'),
+                     type=fields.value_type(float, optional=True, name='--time-limit'),
                      help='stop after the last epoch that ends within SECONDS of the start '
                           '(compile included; judged by the mean epoch so far), with the '
                           'checkpoint and summary of a finished run; the same command with '
@@ -196,62 +128,15 @@ def _add_process_flags(parser):
                            help="process 0's address and a free port, the same for every "
                                 'process (default: none)')
     processes.add_argument('--num-processes', default=None, metavar='N',
-                           type=_flag_parser(int, False, True, False, '--num-processes'),
+                           type=fields.value_type(int, optional=True, name='--num-processes'),
                            help='how many processes take part (default: none)')
     processes.add_argument('--process-id', default=None, metavar='I',
-                           type=_flag_parser(int, False, True, False, '--process-id'),
+                           type=fields.value_type(int, optional=True, name='--process-id'),
                            help='this process, in [0, N) (default: none)')
     processes.add_argument('--coordinator-timeout', default=60.0, metavar='SECONDS',
-                           type=_flag_parser(float, False, False, False, '--coordinator-timeout'),
+                           type=fields.value_type(float, name='--coordinator-timeout'),
                            help='stop with an error if the processes are not all connected '
                                 'within this time')
-
-
-def parse(parser, argv, settings):
-    """Parse argv, once -> (args, the dests given on the command line itself,
-    the settings table for them). `settings`: the table, or a function of the
-    typed values giving it. --help prints the flags and that table, exit 0.
-
-    The given dests let a layer of settings sit between the defaults and the
-    command line (an env's settings, a saved run's config): a flag typed
-    always wins, a flag left out takes the layer's value."""
-    defaults = {action.dest: action.default for action in parser._actions}
-    for action in parser._actions:
-        action.default = argparse.SUPPRESS
-    try:
-        args = parser.parse_args(argv)
-    finally:
-        for action in parser._actions:
-            action.default = defaults[action.dest]
-    given = set(vars(args)) - {'help'}
-    table = settings(vars(args)) if callable(settings) else settings
-    if getattr(args, 'help', False):
-        parser.epilog = env_settings_help(table or {})
-        parser.print_help()
-        parser.exit()
-    for dest, default in defaults.items():
-        if not hasattr(args, dest):
-            setattr(args, dest, default)
-    return args, given, table
-
-
-_SETTINGS_HEADING = 'per-env settings'
-
-
-def settings_flags(settings):
-    """{field: value} as the command-line flags that give those values."""
-    flags = []
-    for name, value in settings.items():
-        flag = '--' + name.replace('_', '-').rstrip('-')
-        if isinstance(value, bool):
-            flags.append(flag if value else '--no-' + flag[2:])
-        elif value is None:
-            flags.append(f'{flag} none')
-        elif isinstance(value, (tuple, list)):
-            flags.append(f'{flag} {",".join(str(v) for v in value)}')
-        else:
-            flags.append(f'{flag} {value}')
-    return ' '.join(flags)
 
 
 READING_THE_OUTPUT = '''reading the output:
@@ -263,17 +148,6 @@ READING_THE_OUTPUT = '''reading the output:
     metrics.jsonl; TensorBoard plots each against env steps.
   done: ... final greedy return: the last greedy evaluation, mean (min) over runs,
     or per grid point its IQM (mean under 4 seeds) and worst seed, the best marked.'''
-
-
-def env_settings_help(table):
-    """--help's epilog: how to read a run's lines, then the per-env settings,
-    one line per env, as the flags it amounts to."""
-    lines = [READING_THE_OUTPUT, '',
-             f'{_SETTINGS_HEADING} (used when --env is one of these; a flag given on the '
-             'command line wins):']
-    for env, settings in table.items():
-        lines.append(f'  {env}: {settings_flags(settings)}')
-    return '\n'.join(lines if table else lines + ['  (none)'])
 
 
 def apply_env_settings(config_cls, args, table, mode_field=None):
@@ -362,21 +236,22 @@ def pinned_schedule_message(output_dir, horizon):
 
 def config_and_grid(config_cls, args):
     """(config with each sweep field at its first value, {field: [values]})."""
-    values = {field.name: getattr(args, field.name) for field in dataclasses.fields(config_cls)}
-    values = {name: value[0] if isinstance(value, list) and len(value) == 1 else value
-              for name, value in values.items()}
-    return fields.config_and_grid(config_cls, values)
+    return fields.config_and_grid(config_cls, {
+        field.name: getattr(args, field.name) for field in dataclasses.fields(config_cls)})
 
 
 def check_run_flags(args):
     """--num-seeds >= 1, every run's seed a valid int32 PRNG seed, the process flags."""
     if not 1 <= args.num_seeds <= fields.INT32_MAX:
-        raise common.UsageError(f'--num-seeds must be >= 1, got {args.num_seeds}')
+        raise common.UsageError(f'--num-seeds must be >= 1, got {args.num_seeds}',
+        field='num_seeds')
     if not 0 <= args.seed <= fields.INT32_MAX - args.num_seeds + 1:
-        raise common.UsageError(f'--seed must be in [0, {fields.INT32_MAX} - num_seeds + 1], got {args.seed}')
+        raise common.UsageError(f'--seed must be in [0, {fields.INT32_MAX} - num_seeds + 1], got {args.seed}',
+        field='seed')
     every = getattr(args, 'checkpoint_every', None)
     if every is not None and not 1 <= every <= fields.INT32_MAX:
-        raise common.UsageError(f'--checkpoint-every must be >= 1 (and fit int32), got {every}')
+        raise common.UsageError(f'--checkpoint-every must be >= 1 (and fit int32), got {every}',
+        field='checkpoint_every')
     time_limit = getattr(args, 'time_limit', None)
     if time_limit is not None and not 0 < time_limit < float('inf'):
         raise common.UsageError(f'--time-limit must be a number of seconds > 0, got {fields.show_float(time_limit)}')

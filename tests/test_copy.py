@@ -173,6 +173,19 @@ def test_the_copy_refuses_harness_flags_and_an_output_dir_it_cannot_use(argv, ne
     assert set(os.listdir(folder)) - {'__pycache__'} == {*FILES['dqn'], 'a-file'}
 
 
+def test_the_copy_refuses_runs_that_cannot_fit_in_memory(tmp_path):
+    """The replay of a million epochs: one line before compiling, nothing
+    written (it hung or aborted with std::bad_alloc)."""
+    folder = copied('actor_critic', tmp_path)
+    plain = subprocess.run([sys.executable, 'actor_critic.py', '--policy-loss', 'awr',
+                            '--n-replay-epochs', '1000000', '--output-dir', 'out'],
+                           cwd=folder, env=environment(), capture_output=True, text=True,
+                           timeout=300)
+    assert plain.returncode == 2 and plain.stderr.count('\n') == 1, plain.stderr
+    assert 'GiB (their state x 2) but' in plain.stderr and 'lower --num-seeds' in plain.stderr
+    assert not os.path.exists(folder / 'out')
+
+
 @pytest.mark.parametrize('signum', [signal.SIGINT, signal.SIGTERM])
 def test_a_signal_stops_the_copy_in_one_line(signum, tmp_path):
     folder = copied('dqn', tmp_path)

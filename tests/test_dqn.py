@@ -36,7 +36,7 @@ from flax import struct  # noqa: E402
 from gymnax.environments import environment, spaces  # noqa: E402
 
 import common  # noqa: E402
-from harness import flags  # noqa: E402
+import fields  # noqa: E402
 import dqn  # noqa: E402
 import probe_envs  # noqa: E402
 from contracts import assert_contracts_trace_to_nothing  # noqa: E402
@@ -1082,7 +1082,7 @@ def test_pqn_settings_build_and_are_docs_command():
     assert sorted(state.params['mlp'][0]) == ['b', 'offset', 'scale', 'w']
     assert state.replay.target.shape == (1, 4096)
     doc = (REPO / 'docs' / 'dqn.md').read_text().replace('\\\n    ', '')
-    assert f'python dqn.py --env Breakout-MinAtar {flags.settings_flags(dqn.PQN_MINATAR)}\n' in doc
+    assert f'python dqn.py --env Breakout-MinAtar {fields.settings_flags(dqn.PQN_MINATAR)}\n' in doc
 
 
 def test_help_lists_the_env_settings(capsys):
@@ -1093,7 +1093,7 @@ def test_help_lists_the_env_settings(capsys):
     for name, settings in dqn.ENV_SETTINGS.items():
         line = next(line for line in out.splitlines() if line.strip().startswith(name + ':'))
         for field, value in settings.items():  # a False bool reads --no-FIELD
-            flag = flags.settings_flags({field: value}).split()[0]
+            flag = fields.settings_flags({field: value}).split()[0]
             assert f' {flag}' in line, (name, field)
 
 

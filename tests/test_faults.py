@@ -144,7 +144,7 @@ def test_values_that_do_not_fit_or_cannot_act_are_one_line(module, args, needle,
 
 
 def test_ints_parse_exactly_and_float32_keeps_what_fits():
-    parse = flags._flag_parser(int, False, False, False, '--epochs')
+    parse = fields.value_type(int, name='--epochs')
     assert parse('1e3') == 1000 and parse('12') == 12 and parse('-0') == 0
     assert parse(str(2 ** 70)) == 2 ** 70  # exact, and check_fields bounds it (int32)
     checked = []
@@ -1102,7 +1102,7 @@ def test_an_inert_flag_is_refused_alike_by_the_cli_and_python(script, fields, fl
 def test_joint_takes_the_gru_envs_settings(env, monkeypatch):
     captured = {}
     monkeypatch.setattr(cli, 'run_experiment',
-                        lambda make_agent, config, grid, args, prog: captured.update(
+                        lambda make_agent, config, grid, args, prog, agent: captured.update(
                             agent=make_agent(config), config=config))
     actor_critic.main(['--env', env, '--joint', '--quiet'])  # checked, built, not run
     assert captured['config'].joint and captured['config'].torso == 'gru'

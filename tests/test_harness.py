@@ -28,6 +28,9 @@ import fields  # noqa: E402
 from harness import cli  # noqa: E402
 from harness import flags  # noqa: E402
 from harness import rundir  # noqa: E402
+import actor_critic as ac  # noqa: E402
+import dqn  # noqa: E402
+import pg  # noqa: E402
 
 # ---------------------------------------------------------------------------
 # Checkpoints.
@@ -307,7 +310,7 @@ class TinyConfig:
 
 def parse(argv):
     parser = flags.build_parser(TinyConfig, 'tiny', 'a tiny config')
-    return flags.parse(parser, argv, {})[0]
+    return fields.parse(parser, argv, {})[0]
 
 
 def test_config_defaults():
@@ -418,7 +421,7 @@ def test_config_unparseable_int_message_says_what(capsys):
 
 
 def given_flags(parser, argv):
-    return flags.parse(parser, argv, {})[1]
+    return fields.parse(parser, argv, {})[1]
 
 
 def test_given_flags_names_only_what_the_command_line_set():
@@ -429,7 +432,7 @@ def test_given_flags_names_only_what_the_command_line_set():
     # A flag given at its default value is still given (an explicit choice).
     assert given_flags(parser, ['--gamma', '0.99']) == {'gamma'}
     assert parser.parse_args([]).lr == 1e-3  # the parser itself keeps its defaults
-    args, given, table = flags.parse(parser, ['--lr', '1e-3'], lambda typed: {'lr': typed['lr']})
+    args, given, table = fields.parse(parser, ['--lr', '1e-3'], lambda typed: {'lr': typed['lr']})
     assert args.gamma == 0.99 and given == {'lr'} and table == {'lr': [0.001]}
 
 
@@ -568,3 +571,82 @@ def test_take_saved_config_fills_in_what_the_command_line_left_out():
     args.given, args.only_eval = set(), False
     flags.take_saved_config(TinyConfig, args, {**saved, 'hidden_sizes': [8]})
     assert args.env == 'CartPole-v1' and args.seed == 0
+
+
+# --- one front door (issue 50, items 3-5): one parser, refusals as data,
+# make_agent once per path -------------------------------------------------
+
+def test_the_harness_parser_extends_the_one_in_fields():
+    """Every flag of fields' parser is in harness/'s with the same spelling,
+    type and default; harness/ only adds its run and process flags."""
+    for module in (dqn, pg, ac):
+        plain = fields.build_parser(module.Config, 'x')
+        full = flags.build_parser(module.Config, 'x', '')
+        for option, action in plain._option_string_actions.items():
+            other = full._option_string_actions[option]
+            assert (other.dest, other.default, type(other)) == (
+                action.dest, action.default, type(action)), option
+        added = {a.dest for a in full._actions} - {a.dest for a in plain._actions}
+        assert added == set(fields.HARNESS_FLAGS)
+
+
+def test_a_refusal_carries_its_field_and_whether_it_is_inert():
+    """The field refused travels with the error; no message is parsed."""
+    with pytest.raises(common.UsageError) as refused:
+        ac.make_agent(ac.Config(max_slice_length=50))
+    assert (refused.value.field, refused.value.inert) == ('max_slice_length', True)
+    with pytest.raises(common.UsageError) as refused:
+        fields.check_grid(ac.Config(n_envs=7), {}, ac.check_runs)
+    assert (refused.value.field, refused.value.inert) == ('n_interactions_per_epoch', False)
+    error = common.UsageError('--gamma must be in (0, 1], got 2', field='gamma')
+    assert fields.inert_setting(error, {'gamma': 2.0}, {}) is None  # not inert: refused
+    error = common.UsageError('any words at all', field='gru_size', inert=True)
+    assert fields.inert_setting(error, {'gru_size': 8}, {}) == 'gru_size'
+    assert fields.inert_setting(error, {'gru_size': 8}, {'gru_size': 8}) is None  # typed
+
+
+def test_acts_with_is_declared_once_and_read_by_the_check_and_help():
+    declared = {f.name: f.metadata['acts_with'][:2] for f in dataclasses.fields(ac.Config)
+                if f.metadata['acts_with']}
+    assert declared['epsilon'] == ('policy_loss', ('ppo',))
+    assert declared['shared_torso'] == ('joint', (True,))
+    assert set(ac.VALUE_ONLY) == {name for name, acts in declared.items()
+                                  if acts == ('joint', (False,))}
+    help_text = ' '.join(flags.build_parser(ac.Config, 'x', '').format_help().split())
+    assert '(acts with --policy-loss ppo only)' in help_text
+    assert '(acts without --joint only)' in help_text
+    with pytest.raises(common.UsageError, match=r'^--epsilon acts with --policy-loss ppo only, '
+                                                r'not a2c$'):
+        fields.check_grid(ac.Config(policy_loss='a2c'), {'epsilon': [0.2, 0.3]}, ac.check_runs)
+    fields.check_grid(ac.Config(policy_loss='a2c'), {}, ac.check_runs)  # at its default: fine
+
+
+@pytest.mark.parametrize('resume', [False, True])
+def test_make_agent_runs_once_per_command(resume, tmp_path, monkeypatch):
+    """A fresh run with an env's settings, and a resume: one make_agent each,
+    never one whose errors are swallowed."""
+    calls, make_agent = [], ac.make_agent
+
+    def counted(config, given=None):
+        calls.append(config)
+        return make_agent(config, given)
+    out = str(tmp_path / 'run')
+    argv = ['--env', 'MetaMaze-misc', '--torso', 'mlp', '--epochs', '1', '--n-envs', '4',
+            '--n-interactions-per-epoch', '64', '--batch-size', '16', '--value-batch-size', '16',
+            '--train-steps-per-epoch', '2', '--value-train-steps-per-epoch', '2',
+            '--n-eval-episodes', '1', '--eval-steps', '10', '--hidden-sizes', '8',
+            '--lr-schedule', 'constant', '--quiet',
+            '--no-tensorboard', '--compile-cache', 'none', '--output-dir', out]
+    if resume:
+        ac.main(argv)
+        argv = ['--output-dir', out, '--epochs', '2', '--quiet', '--no-tensorboard',
+                '--compile-cache', 'none']
+    cli.main(ac.Config, counted, ac.check_runs, 'actor_critic.py', '', argv,
+             env_settings=ac.settings_table, settings_mode_field='policy_loss')
+    assert len(calls) == 1
+
+
+def test_no_code_parses_an_error_message():
+    for name in ('common.py', 'fields.py', os.path.join('harness', 'cli.py')):
+        source = open(os.path.join(REPO, name)).read()
+        assert 'import re\n' not in source, name

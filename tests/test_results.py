@@ -127,9 +127,9 @@ def test_the_row_table():
                         'python actor_critic.py --policy-loss awr']
     assert all(row.plain for row in rows if row.group == 'CartPole commands')
     import dqn
-    from harness import flags
+    import fields
     pqn = results.ROWS['pqn-Breakout-MinAtar'].command
-    assert pqn == f'python dqn.py --env Breakout-MinAtar {flags.settings_flags(dqn.PQN_MINATAR)}'
+    assert pqn == f'python dqn.py --env Breakout-MinAtar {fields.settings_flags(dqn.PQN_MINATAR)}'
     memory = {row.env: results.BASELINES[row.env] for row in rows if row.group == 'memory'}
     assert memory == {'MemoryChain-bsuite': 1, 'MetaMaze-misc': 32,
                       'BernoulliBandit-misc': 90, 'PointRobot-misc': 10}
