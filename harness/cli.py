@@ -502,7 +502,7 @@ def _set_up(make_agent, config, grid, args, prog, agent=None):
     # (a refusal says where its value came from: run_experiment adds that)
     agent = agent or make_agent(config, given=getattr(args, 'set_fields',
                                                       getattr(args, 'given', set())))
-    sharding = devices._run_sharding(len(runs), args.device)
+    sharding = devices._run_sharding(len(runs), args.device, getattr(args, 'cpu_devices', None))
     pad = devices.lone_run_padding(len(runs), sharding, getattr(args, 'batch_invariant', True))
     hp = _pad_rows(common.hyperparameters(config, runs), pad)
 
@@ -664,19 +664,24 @@ BITWISE_OBS_SIZE = 4
 
 
 def _check_same_devices(run, saved_devices):
-    """Refuse a resume on another number of devices where that would change
-    the numbers: runs whose observations are wider than BITWISE_OBS_SIZE."""
+    """Refuse a resume on another number of devices where a run's numbers
+    depend in their last bits on how many runs each device's program computes:
+    observations wider than BITWISE_OBS_SIZE, or Box actions (PPO on
+    Pendulum-v1; docs/usage.md), where it would match neither uninterrupted run."""
     now = len(run.sharding.device_set)
-    obs_size = int(np.prod(run.agent.obs_shape))
-    if saved_devices is None or saved_devices == now or obs_size <= BITWISE_OBS_SIZE \
-            or next(iter(run.sharding.device_set)).platform != 'cpu':
+    if saved_devices is None or saved_devices == now:
         return
+    policy = getattr(getattr(run.agent, 'spec', None), 'policy', None)
+    box = getattr(policy, 'kind', 'discrete') == 'box'
+    obs_size = int(np.prod(run.agent.obs_shape))
+    if obs_size <= BITWISE_OBS_SIZE and not box:
+        return  # CartPole's width, discrete actions: bitwise on any count (tested)
     raise common.UsageError(
         f'{run.output_dir} was run on {saved_devices} device(s), this run would use {now}: '
-        f'with {obs_size} observation values the numbers depend on the runs per device in '
-        f'the last bits (docs/usage.md, sharding); resume on {saved_devices} device(s)'
-        + (' (--device 0 for one)' if saved_devices == 1 else
-           f' (--cpu-devices {saved_devices} on CPU)'))
+        f'with {obs_size} observation values{" and Box actions" if box else ""} the numbers '
+        'depend on the runs per device in the last bits (docs/usage.md, sharding); resume on '
+        f'{saved_devices} device(s)' + (' (--device 0 for one)' if saved_devices == 1 else
+                                         f' (--cpu-devices {saved_devices} on CPU)'))
 
 
 def _compile_phases(run, args):
@@ -840,12 +845,32 @@ def _epoch_loop(run, phases, state, args, prog):
                 saver.wait()
                 _stop_after(run, epoch, lost, prog)
             if out_of_time and epoch < config.epochs:
+                _evaluate_at_stop(run, phases, state, epoch)
                 if devices.is_writer():
                     _show(f'time limit: stopped after epoch {epoch} of {config.epochs} '
                           f'({_evaluation_note(run)}); rerun with --output-dir '
                           f'{run.output_dir} to go on', args)
                 break
     return last
+
+
+def _evaluate_at_stop(run, phases, state, epoch):
+    """A time-limit stop between two evaluations: evaluate the parameters it
+    stops with (the evaluation compiled then, past the limit), for summary.json alone (the state it returns is dropped and
+    metrics.jsonl keeps the evaluations an unstopped run makes, so a resume
+    stays bitwise as if never stopped)."""
+    tag = fields.final_return_tag(run.agent, run.config)
+    if tag is None or fields.last_evaluation(run.history, tag) == epoch:
+        return
+    evaluate = phases.get('evaluate') or _compiled(run, run.agent.batched('evaluate'), run.hp,
+                                                   state)  # (compiled now: a stop is rare)
+    _, metrics = evaluate(run.hp, state)
+    metrics = _real_rows(run, devices.gather(metrics))
+    values = {record['run']: record for record in fields.metric_records(epoch, metrics, run.runs)}
+    for index, record in enumerate(run.history):  # (in place: the writers hold the list)
+        if record['epoch'] == epoch:
+            run.history[index] = {**record, **{name: value for name, value in values[
+                record['run']].items() if name.startswith('rl/avg_return_')}}
 
 
 def _record(run, epochs, summaries, until=None):

@@ -2,6 +2,7 @@
 sharded over devices, and one sweep over several processes
 (jax.distributed), where process 0 is the one writer."""
 
+import collections
 import dataclasses
 import hashlib
 import io
@@ -279,6 +280,12 @@ def check_same_flags(args):
     the flags that differ."""
     if not _processes.started:
         return
+    counts = collections.Counter(device.process_index for device in jax.devices())
+    if len(set(counts.values())) > 1:  # (every gather below assumes the same counts)
+        raise common.UsageError(
+            'the processes have different numbers of devices (' + ', '.join(
+                f'process {index}: {count}' for index, count in sorted(counts.items()))
+            + '); start every process with the same --cpu-devices on the same kind of host')
     sees = _allgather(np.asarray([getattr(args, 'sees_saved_run', False)], np.uint8))[:, 0]
     if sees.any() and not sees.all():
         blind = ', '.join(str(p) for p in range(len(sees)) if sees[p] != sees[0])
@@ -365,8 +372,11 @@ def lost_a_process(prog, error):
     os._exit(1)
 
 
-def _run_sharding(n_runs, device):
-    """Sharding of the leading runs axis: one chosen device, or all of them."""
+def _run_sharding(n_runs, device, cpu_devices=None):
+    """Sharding of the leading runs axis: one chosen device, or all of them
+    where the runs divide evenly over them. Runs that do not are refused
+    under --cpu-devices (`cpu_devices`, asked for to shard) and run on one
+    device with a note otherwise (several GPUs)."""
     devices = jax.devices()
     if device is not None:
         if not 0 <= device < len(devices):
@@ -376,6 +386,15 @@ def _run_sharding(n_runs, device):
         raise common.UsageError(f'{n_runs} run(s) do not divide evenly over the {len(devices)} devices '
                          f'of {jax.process_count()} processes; use a multiple of {len(devices)} '
                          'runs (--num-seeds times the grid points)')
+    if len(devices) > 1 and n_runs % len(devices) != 0:
+        if cpu_devices is not None:
+            raise common.UsageError(
+                f'--cpu-devices {cpu_devices}: {n_runs} run(s) do not divide evenly over '
+                f'{len(devices)} devices; use a multiple of {len(devices)} runs (--num-seeds '
+                'times the grid points) or fewer devices')
+        print(f'note: {n_runs} run(s) do not divide evenly over {len(devices)} devices: they '
+              f'run on one (a multiple of {len(devices)} runs shards them)', file=sys.stderr,
+              flush=True)
     if len(devices) == 1 or n_runs % len(devices) != 0:
         return jax.sharding.SingleDeviceSharding(devices[0])
     mesh = jax.sharding.Mesh(np.array(devices), ('runs',))

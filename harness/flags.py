@@ -8,6 +8,7 @@ import dataclasses
 import json
 import os
 import sys
+import warnings
 
 import jax
 
@@ -38,6 +39,28 @@ def enable_compile_cache(path, explicit=True):
         return
     jax.config.update('jax_compilation_cache_dir', path)
     jax.config.update('jax_persistent_cache_min_compile_time_secs', 0.2)
+    warnings.showwarning = _CacheWarnings(path, warnings.showwarning)
+
+
+class _CacheWarnings:
+    """warnings.showwarning that says JAX's failures to read or write a cache
+    entry (a full disk, a folder gone) as one note, once, and passes every
+    other warning on: the run goes on, compiling without the cache."""
+    PREFIXES = ('Error writing persistent compilation cache entry',
+                'Error reading persistent compilation cache entry')
+
+    def __init__(self, path, shown):
+        self.path, self.shown, self.said = path, shown, False
+
+    def __call__(self, message, category, *args, **kwargs):
+        text = str(message)
+        if not text.startswith(self.PREFIXES):
+            return self.shown(message, category, *args, **kwargs)
+        if not self.said:
+            self.said = True
+            why = text.rpartition("': ")[2][:200]
+            print(f'note: the compile cache {self.path} failed ({why}); programs it cannot '
+                  'hold compile from scratch', file=sys.stderr, flush=True)
 
 
 def unusable_directory(path):
@@ -84,13 +107,17 @@ def _add_run_flags(parser):
     run.add_argument('--cpu-devices', default=None, metavar='N',
                      type=fields.value_type(int, optional=True, name='--cpu-devices'),
                      help='CPU: split the host into N JAX devices, so the runs are sharded '
-                          'over N cores; each device computes the one-device program on its '
-                          'runs, bitwise the same numbers (default: JAX\'s, one CPU device)')
+                          'over N cores (the runs must divide evenly); each device computes '
+                          'the one-device program on its runs: CartPole-width runs bitwise as '
+                          'on one device, wider observations or Box actions in the last bits '
+                          'as their runs alone (docs/usage.md); a resume keeps the count '
+                          '(default: JAX\'s, one CPU device)')
     run.add_argument('--time-limit', default=None, metavar='SECONDS',
                      type=fields.value_type(float, optional=True, name='--time-limit'),
                      help='stop after the last epoch that ends within SECONDS of the start '
                           '(compile included; judged by the mean epoch so far), with the '
-                          'checkpoint and summary of a finished run; the same command with '
+                          'checkpoint and summary of a finished run, its return an evaluation '
+                          'of the last epoch\'s parameters; the same command with '
                           '--output-dir goes on from there (default: none)')
     run.add_argument('--quiet', action='store_true',
                      help='no per-epoch lines on stdout (each shows epoch k/N, env steps, the '

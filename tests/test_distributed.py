@@ -253,6 +253,8 @@ def test_nobody_answers_is_one_line_in_bounded_time(cache_dir, tmp_path):
     ([['--num-seeds', '8'], ['--num-seeds', '4', '--lr', '0.01']], [],
      'different flags: --lr, --num-seeds differ between process 0 and process(es) 1'),
     (None, ['--num-seeds', '6'], '6 run(s) do not divide evenly over the 4 devices'),
+    ([['--cpu-devices', '2'], ['--cpu-devices', '1']], [],  # a reshape error before
+     'the processes have different numbers of devices (process 0: 2, process 1: 1)'),
 ])
 def test_processes_refuse_together(per_process, flags, needle, cache_dir, tmp_path):
     """Processes started with different flags (compared by hash), or runs that

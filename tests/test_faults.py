@@ -406,19 +406,44 @@ def test_one_run_per_device_is_bitwise_one_device(cache_dir, tmp_path):
         np.testing.assert_array_equal(a, b)
 
 
-def test_a_resume_on_another_device_count_is_refused_for_wide_observations():
+def test_a_resume_on_another_device_count_is_refused_where_not_bitwise():
+    """Wide observations, and Box actions: PPO on Pendulum-v1 (3 observation
+    values) differed in the last bits as 2 runs on a device from 4 (issue 53,
+    item 2), so a resume on another count would match neither uninterrupted
+    run. CartPole-width discrete runs resume on any count (bitwise, tested in
+    test_distributed)."""
     class Device:
         platform = 'cpu'
 
-    def run(obs_shape, n_devices):
+    def run(obs_shape, n_devices, kind='discrete'):
         return types.SimpleNamespace(
-            output_dir='D', agent=types.SimpleNamespace(obs_shape=obs_shape),
+            output_dir='D', agent=types.SimpleNamespace(
+                obs_shape=obs_shape, spec=types.SimpleNamespace(
+                    policy=types.SimpleNamespace(kind=kind))),
             sharding=types.SimpleNamespace(device_set={Device() for _ in range(n_devices)}))
     cli._check_same_devices(run((4,), 1), 2)  # CartPole: bitwise on any count
     cli._check_same_devices(run((50,), 2), 2)
     cli._check_same_devices(run((50,), 1), None)  # a checkpoint from before the record
-    with pytest.raises(cli.common.UsageError, match='resume on 2 device'):
+    with pytest.raises(cli.common.UsageError, match=r'resume on 2 device\(s\) '
+                                                    r'\(--cpu-devices 2 on CPU\)$'):
         cli._check_same_devices(run((50,), 1), 2)
+    with pytest.raises(cli.common.UsageError, match=r'3 observation values and Box actions.*'
+                                                    r'resume on 1 device\(s\) \(--device 0'):
+        cli._check_same_devices(run((3,), 2, 'box'), 1)
+
+
+@pytest.mark.parametrize('num_seeds', [3, 1])
+def test_runs_that_do_not_divide_over_the_cpu_devices_are_refused(num_seeds, tmp_path):
+    """--cpu-devices 2 with 3 runs, or with 1: it ran on one device, silently."""
+    out = tmp_path / 'run'
+    result = subprocess.run(
+        [sys.executable, os.path.join(ROOT, 'dqn.py'), *SMALL, '--epochs', '1',
+         '--num-seeds', str(num_seeds), '--cpu-devices', '2', '--output-dir', str(out),
+         '--compile-cache', 'none'], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2 and result.stderr.count('\n') == 1, result.stderr
+    assert result.stderr.startswith(f'dqn.py: error: --cpu-devices 2: {num_seeds} run(s) do not '
+                                    'divide evenly over 2 devices; use a multiple of 2 runs')
+    assert not out.exists()
 
 
 # ---------------------------------------------------------------------------
@@ -431,6 +456,28 @@ def test_a_path_with_a_newline_is_one_line(tmp_path, capsys):
     status, err = run_main(dqn.main, ['--only-eval', '--output-dir', out], 'none', capsys)
     assert status == 2
     one_line(err, 'a\\nb')
+
+
+def test_a_compile_cache_that_cannot_write_is_one_note(tmp_path, capsys, monkeypatch):
+    """A full disk under the cache: JAX's two-line UserWarning on each entry
+    is one line, once; other warnings pass as before."""
+    import warnings
+    passed = []
+    monkeypatch.setattr(warnings, 'showwarning', lambda message, *args: passed.append(message))
+    monkeypatch.setattr(flags.jax.config, 'update', lambda *args: None)
+    flags.enable_compile_cache(str(tmp_path / 'cache'))
+    capsys.readouterr()
+    with warnings.catch_warnings():
+        warnings.simplefilter('always')
+        for name in ('jit_a', 'jit_b'):
+            warnings.warn(f"Error writing persistent compilation cache entry for '{name}': "
+                          "OSError: [Errno 28] No space left on device")
+    err = capsys.readouterr().err
+    one_line(err.strip().splitlines(), 'note: the compile cache', 'No space left on device')
+    with warnings.catch_warnings():
+        warnings.simplefilter('always')
+        warnings.warn('something else')
+    assert [str(message) for message in passed] == ['something else']
 
 
 def test_a_compile_cache_that_is_a_file_is_one_line(tmp_path, capsys):
@@ -1011,6 +1058,21 @@ def test_only_eval_with_plot_draws_the_learning_curves(finished_run, cache_dir, 
     assert status == 0, err
     assert os.path.getsize(os.path.join(out, 'learning_curve.png')) > 0
     assert temp_files(out) == []
+
+
+def test_a_time_limit_stop_evaluates_the_parameters_it_stops_with(cache_dir, tmp_path, capsys):
+    """--time-limit ends after epoch 1 of 5, whose evaluation is due only at
+    epoch 5: summary.json's return is an evaluation of epoch 1's parameters
+    (it had none), and metrics.jsonl holds no evaluation an unstopped run
+    would not make."""
+    out = str(tmp_path / 'run')
+    status, err = run_main(dqn.main, ['--epochs', '5', '--eval-every', '5', '--time-limit',
+                                      '0.001', '--output-dir', out], cache_dir, capsys)
+    assert status == 0, err
+    summary = json.load(open(os.path.join(out, 'summary.json')))
+    assert summary['epochs'] == 1 and summary['final_eval_epoch'] == 1
+    assert all(value is not None for value in summary['final_eval_return'])
+    assert all(record.get(summary['final_eval_key']) is None for record in metrics(out))
 
 
 def test_a_time_limit_stop_reports_the_latest_evaluation_and_says_which():
