@@ -205,6 +205,17 @@ class Config:
         bounds='[1, inf)')
     hidden_sizes: tuple[int, ...] = fields.option(
         (64, 64), 'policy and value MLP hidden layer sizes', bounds='[1, inf)')
+    activation: str = fields.option(
+        'relu', 'the hidden layers\' nonlinearity: relu (Trax\'s) or tanh (PureJaxRL\'s PPO)',
+        choices=common.ACTIVATIONS)
+    init: str = fields.option(
+        'glorot', 'weights: glorot (Trax\'s Dense: Glorot-uniform, the heads\' last layer x '
+        '0.01) or orthogonal (PureJaxRL\'s PPO, after CleanRL\'s: gain sqrt(2), the policy '
+        'head 0.01, the value head 1; the GRU\'s recurrent weights stay Glorot)',
+        choices=('glorot', 'orthogonal'))
+    clip_value_loss: bool = fields.option(
+        False, 'PureJaxRL\'s clipped value loss: max((V - R)^2, (V_old + clip(V - V_old, '
+        '-epsilon, epsilon) - R)^2), V_old the value before the epoch\'s steps (Trax: off)')
     normalize_observations: bool = fields.option(
         False, 'map each observation dimension whose Box bounds are finite onto [-1, 1] '
         'before the networks (MountainCar\'s velocity spans only +-0.07)')
@@ -435,11 +446,19 @@ def awr_loss(log_probs, adv, weight, beta, w_max):
     return -masked_mean(log_probs * awr_weights(adv, beta, w_max), weight)
 
 
-def value_loss(predictions, targets, weight):
-    """Trax's L2Loss: sum(w (V(s) - target)^2) / sum(w); targets are constants."""
+def value_loss(predictions, targets, weight, old=None, epsilon=None):
+    """Trax's L2Loss: sum(w (V(s) - target)^2) / sum(w); targets are constants.
+    With `old` (V before the epoch's steps): PureJaxRL's clipped loss, each
+    step's max((V - target)^2, (old + clip(V - old, -epsilon, epsilon) - target)^2)."""
     chex.assert_rank(predictions, {1, 2})  # steps [N], or sequences [B, L]
     chex.assert_equal_shape([predictions, targets, weight])
-    return masked_mean((predictions - jax.lax.stop_gradient(targets)) ** 2, weight)
+    targets = jax.lax.stop_gradient(targets)
+    squared = (predictions - targets) ** 2
+    if old is not None:
+        old = jax.lax.stop_gradient(old)
+        clipped = old + jnp.clip(predictions - old, -epsilon, epsilon)
+        squared = jnp.maximum(squared, (clipped - targets) ** 2)
+    return masked_mean(squared, weight)
 
 
 def pass_order(key, weight, index):
@@ -587,7 +606,8 @@ def recurrent_values(spec, value_params, rows):
     after = after.reshape(rows.reward.shape + (-1,))  # [R, T, H]: the state after each step
 
     def value_from(hidden, obs):  # one more GRU step, then the head
-        inputs = policies.gru_inputs(net, policies.observe(policy, obs), policy.obs_shape)
+        inputs = policies.gru_inputs(net, policies.observe(policy, obs), policy.obs_shape,
+                                     policy.activation)
         return policies.network_head(net, policies.gru_step(net['gru'], hidden, inputs))[..., 0]
 
     return (policies.network_head(net, after)[..., 0], value_from(after, rows.final_obs),
@@ -621,12 +641,17 @@ def value_network(spec, params, value_params):
 def init_value_params(spec, key):
     """A separate value network (Trax's n_shared_layers 0), or with
     --shared-torso a head on the policy's features; its last layer small as
-    the policy's, so early targets are about the rewards' scale."""
+    the policy's, so early targets are about the rewards' scale (orthogonal
+    init: gain 1, PureJaxRL's critic head)."""
     policy = spec.policy
+    scale = 1.0 if policy.init == 'orthogonal' else 0.01
     if spec.config.shared_torso:
-        return common.init_mlp(key, [policy.latent_size, 1], last_scale=0.01)[0]
+        head = common.init_mlp(key, [policy.latent_size, 1], last_scale=scale)
+        return (policies.orthogonal(key, head, scale) if policy.init == 'orthogonal'
+                else head)[0]
     return policies.init_network(key, policy.obs_shape, policy.hidden_sizes, 1, policy.torso,
-                                 policy.conv_channels, last_scale=0.01, gru_size=policy.gru_size)
+                                 policy.conv_channels, last_scale=scale,
+                                 gru_size=policy.gru_size, init=policy.init)
 
 
 def init_optimizers(spec, hp, params, value_params):
@@ -749,7 +774,7 @@ def value_step(spec, hp, data, minibatch, carry, i):
     # one run than in a vmapped grid on XLA CPU.
     loss, grads = jax.value_and_grad(lambda p: value_loss(
         value_net(spec, p, batch['obs'], sequence_memory(batch)), batch['targets'],
-        batch['weight']))(value_params)
+        batch['weight'], batch.get('old_values'), hp['epsilon']))(value_params)
     grads = clip_by_global_norm(grads, hp['max_grad_norm'])
     updates, opt_state = value_optimizer(spec, hp).update(grads, opt_state, value_params)
     return (optax.apply_updates(value_params, updates), opt_state, n + 1), loss
@@ -764,7 +789,7 @@ def value_chunk(spec, hp, state, key):
     weight = units(spec, replay.valid).astype(jnp.float32)
     targets = units(spec, values + adv) / value_scale(spec, hp)
     data = with_memory(spec, {'obs': units(spec, replay.obs), 'targets': targets,
-                              'weight': weight}, replay, 'value')
+                              'weight': weight, **old_values(spec, hp, values)}, replay, 'value')
     minibatch = minibatches(spec, key, weight, spec.value_chunk_steps,
                             spec.config.value_batch_size)
     step = functools.partial(value_step, spec, hp, data, minibatch)
@@ -812,7 +837,7 @@ def joint_objective(spec, nets, batch, hp):
     memory = ((batch['value_memory'], batch['reset']) if 'value_memory' in batch
               else sequence_memory(batch))  # separate GRUs, or the shared one
     value_loss_ = value_loss(value_net(spec, net, batch['obs'], memory), batch['targets'],
-                             batch['weight'])
+                             batch['weight'], batch.get('old_values'), hp['epsilon'])
     metrics = {**metrics, 'metrics/value_loss': value_loss_}
     return loss + hp['value_loss_coeff'] * value_loss_, metrics
 
@@ -840,13 +865,20 @@ def policy_step(spec, hp, data, minibatch, state, i):
     return state._replace(opt_state=opt_state, train_step=state.train_step + 1), metrics
 
 
+def old_values(spec, hp, values):
+    """--clip-value-loss: {'old_values': V / scale before the steps}, else {}."""
+    if not spec.config.clip_value_loss:
+        return {}
+    return {'old_values': units(spec, values) / value_scale(spec, hp)}
+
+
 def joint_data(spec, hp, data, replay, adv, values):
     """--joint: the policy's minibatch data plus the value targets V + A
     (value_chunk's, from the network before this epoch's steps) and, with
     separate GRUs, the value network's stored states -> (data, metrics)."""
     scale = value_scale(spec, hp)
     targets = units(spec, values + adv) / scale
-    data = {**data, 'targets': targets}
+    data = {**data, 'targets': targets, **old_values(spec, hp, values)}
     if spec.policy.gru_size and not spec.config.shared_torso:
         data['value_memory'] = units(spec, replay.memory['value'])[:, 0]
     weight = data['weight']
@@ -1066,13 +1098,30 @@ VALUE_ONLY = tuple(field.name for field in dataclasses.fields(Config)
                    if (field.metadata['acts_with'] or ())[:2] == ('joint', (False,)))
 
 
+# --joint brings settings of its own on CartPole-v1: PureJaxRL's PPO config
+# (github.com/luchris429/purejaxrl, ppo.py, CartPole-v1: 4 envs x 128 steps,
+# 4 epochs x 4 minibatches, lr 2.5e-4 annealed, gae 0.95, clip 0.2, entropy
+# 0.01, value coefficient 0.5, gradient norm 0.5, Adam eps 1e-5, 5e5 steps)
+# and two of ours: --scale-value-targets and gae over the whole row
+# (--added-policy-slice-length 128). On seeds 0-15 every seed ends at 500 in
+# both compile modes, with and without --shared-torso (value coefficient
+# 0.5 and 0.1 alike: 0.5 kept), so one entry serves both (docs/actor_critic.md).
+JOINT_SETTINGS = {'CartPole-v1': {
+    'policy_loss': 'ppo', 'n_envs': 4, 'n_interactions_per_epoch': 512, 'epochs': 976,
+    'train_steps_per_epoch': 16, 'batch_size': 128, 'lr': 2.5e-4, 'entropy_coeff': 0.01,
+    'value_loss_coeff': 0.5, 'max_grad_norm': 0.5, 'lambda_': 0.95, 'epsilon': 0.2,
+    'adam_eps': 1e-5, 'advantage_estimator': 'gae', 'added_policy_slice_length': 128,
+    'scale_value_targets': True}}
+
+
 def env_settings(policy_loss, env, joint=False):
     """The per-env settings table for a command line asking for `policy_loss`
     and `env`: ENV_SETTINGS (PPO's entries) for ppo; for a2c and awr, the
     mode's settings for `env` and each env of its MODE_ENV_SETTINGS, that
-    env's entry over them. `joint`: without the VALUE_ONLY fields."""
+    env's entry over them. `joint`: without the VALUE_ONLY fields, and
+    JOINT_SETTINGS' entries in place of the separate networks' ones."""
     if policy_loss not in MODE_SETTINGS:
-        table = ENV_SETTINGS
+        table = {**ENV_SETTINGS, **JOINT_SETTINGS} if joint else ENV_SETTINGS
     else:
         own, per_env = MODE_SETTINGS[policy_loss], MODE_ENV_SETTINGS[policy_loss]
         table = {name: {**own, **per_env.get(name, {})}

@@ -330,6 +330,7 @@ def init_mlp(key, sizes, last_scale=1.0, layer_norm=False):
 
 
 LAYER_NORM_EPSILON = 1e-6  # flax.linen.LayerNorm's, which PQN's networks use
+ACTIVATIONS = {'relu': jax.nn.relu, 'tanh': jnp.tanh}  # Trax's Relu; PureJaxRL's PPO's tanh
 
 
 def layer_norm_params(size):
@@ -390,21 +391,21 @@ def _matmul_backward(saved, g):
 _transpose_free_matmul.defvjp(_matmul_forward, _matmul_backward)
 
 
-def mlp(params, x):
-    """Apply an MLP made by init_mlp; ReLU between layers, linear output."""
-    return dense(mlp_hidden(params, x), params[-1]['w']) + params[-1]['b']
+def mlp(params, x, activation='relu'):
+    """Apply an MLP made by init_mlp; `activation` between layers, linear output."""
+    return dense(mlp_hidden(params, x, activation), params[-1]['w']) + params[-1]['b']
 
 
-def mlp_hidden(params, x):
+def mlp_hidden(params, x, activation='relu'):
     """The features an MLP's last layer reads: every layer but the last, each
-    followed by its LayerNorm if it has one, then ReLU."""
+    followed by its LayerNorm if it has one, then `activation`."""
     check_args(chex.assert_rank, 'mlp', 2, **{f'params[{i}]["w"]': layer['w']
                                               for i, layer in enumerate(params)})
     check_args(chex.assert_rank, 'mlp', 1, **{f'params[{i}]["b"]': layer['b']
                                               for i, layer in enumerate(params)})
     check_args(chex.assert_shape, 'mlp', (..., params[0]['w'].shape[0]), x=x)
     for layer in params[:-1]:
-        x = jax.nn.relu(layer_norm(layer, dense(x, layer['w']) + layer['b']))
+        x = ACTIVATIONS[activation](layer_norm(layer, dense(x, layer['w']) + layer['b']))
     return x
 
 
@@ -513,16 +514,16 @@ def init_network(key, obs_shape, hidden_sizes, n_outputs, torso='mlp',
                     layer_norm)
 
 
-def network(params, obs, obs_shape):
+def network(params, obs, obs_shape, activation='relu'):
     """Apply init_network's params to observations [..., *obs_shape] (float32)."""
-    return mlp(*torso(params, obs, obs_shape))
+    return mlp(*torso(params, obs, obs_shape, activation), activation)
 
 
-def torso(params, obs, obs_shape):
+def torso(params, obs, obs_shape, activation='relu'):
     """(the MLP's layers, its input): conv features, or the observations flat."""
     obs = jnp.asarray(obs).astype(jnp.float32)
     if isinstance(params, dict) and 'conv' in params:
-        return params['mlp'], conv(params['conv'], obs)
+        return params['mlp'], conv(params['conv'], obs)  # (ReLU: --activation is the MLP's)
     batch_shape = obs.shape[:obs.ndim - len(obs_shape)]
     return params, obs.reshape(batch_shape + (int(np.prod(obs_shape, dtype=int)),))
 

@@ -679,8 +679,7 @@ def storage_dtype(config, env, env_params):
 # (a flag on the command line wins). Why each value: docs/dqn.md.
 # ---------------------------------------------------------------------------
 
-# The MinAtar paper's DQN shrunk to a few CPU minutes; 8 evaluation episodes
-# keep the evaluation from costing more than the training.
+# The MinAtar paper's DQN shrunk to a few CPU minutes (8 evaluation episodes: cheap).
 MINATAR = {'hidden_sizes': (128,), 'batch_size': 64, 'lr': 1e-3, 'sync_freq': 250,
            'n_replay_epochs': 100, 'epochs': 60, 'exploration_decay_factor': 0.95,
            'exploration_minimum': 0.05, 'n_eval_episodes': 8}
@@ -720,8 +719,7 @@ ENV_SETTINGS = {
 # decaying linearly to 0, L2 loss, epsilon 1 -> 0.05 over the first 10% of
 # its 1e7 steps, greedy tests on 128 envs. Ours decays epsilon geometrically
 # (x 0.9878 an epoch reaches 0.05 at the same epoch, 244 of 2441) and samples
-# minibatches with replacement; what else differs: docs/dqn.md.
-#     python dqn.py --env Breakout-MinAtar $(flags of PQN_MINATAR)   # see docs/dqn.md
+# minibatches with replacement; what else differs, and its command: docs/dqn.md.
 # ---------------------------------------------------------------------------
 
 PQN_MINATAR = {

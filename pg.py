@@ -98,6 +98,14 @@ class Config:
         bounds='[1, inf)')
     hidden_sizes: tuple[int, ...] = fields.option(
         (64, 64), 'policy MLP hidden layer sizes', bounds='[1, inf)')
+    activation: str = fields.option(
+        'relu', 'the hidden layers\' nonlinearity: relu (Trax\'s) or tanh (PureJaxRL\'s PPO)',
+        choices=common.ACTIVATIONS)
+    init: str = fields.option(
+        'glorot', 'weights: glorot (Trax\'s Dense: Glorot-uniform, the heads\' last layer x '
+        '0.01) or orthogonal (PureJaxRL\'s PPO, after CleanRL\'s: gain sqrt(2), the policy '
+        'head 0.01; the GRU\'s recurrent weights stay Glorot)',
+        choices=('glorot', 'orthogonal'))
     normalize_observations: bool = fields.option(
         False, 'map each observation dimension whose Box bounds are finite onto [-1, 1] '
         'before the network (MountainCar\'s velocity spans only +-0.07)')

@@ -26,11 +26,16 @@ def feature_torso(torso, obs_shape):
 
 
 def init_network(key, obs_shape, hidden_sizes, n_outputs, torso='mlp', conv_channels=(16,),
-                 last_scale=1.0, gru_size=0):
+                 last_scale=1.0, gru_size=0, init='glorot'):
     """common.init_network's params, or for torso 'gru': {'base': that network
     (conv or flatten by the observations' rank) whose last layer is the GRU's
     input weights [.., 3 * gru_size], 'gru': the recurrent weights, 'head':
-    the linear layer on its state}."""
+    the linear layer on its state}; `init` 'orthogonal': orthogonal()'s weights."""
+    if init == 'orthogonal':
+        glorot_key, key = jax.random.split(key)
+        return orthogonal(key, init_network(glorot_key, obs_shape, hidden_sizes, n_outputs,
+                                            torso, conv_channels, last_scale, gru_size),
+                          last_scale)
     if torso != 'gru':
         return common.init_network(key, obs_shape, hidden_sizes, n_outputs, torso,
                                    conv_channels, last_scale)
@@ -39,6 +44,26 @@ def init_network(key, obs_shape, hidden_sizes, n_outputs, torso='mlp', conv_chan
                                         feature_torso(torso, obs_shape), conv_channels),
             'gru': init_gru(gru_key, gru_size),
             'head': common.init_mlp(head_key, [gru_size, n_outputs], last_scale)}
+
+
+def orthogonal(key, params, head_gain):
+    """--init orthogonal (PureJaxRL's PPO, after CleanRL's): every weight of
+    init_network's `params` (a conv's as [k * k * in, out]) drawn orthogonal
+    with gain sqrt(2), the head's (the last layer's) with `head_gain`; biases
+    stay zero and the GRU's recurrent weights Glorot-uniform."""
+    head = (params['head'] if is_recurrent(params) else params['mlp'] if isinstance(
+        params, dict) and 'conv' in params else params)[-1]['w']
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
+
+    def draw(key, path, leaf):
+        if getattr(path[-1], 'key', None) != 'w':
+            return leaf
+        gain = head_gain if leaf is head else math.sqrt(2.0)
+        shape = (int(np.prod(leaf.shape[:-1])), leaf.shape[-1])
+        return jax.nn.initializers.orthogonal(gain)(key, shape).reshape(leaf.shape)
+    keys = jax.random.split(key, len(leaves))
+    return jax.tree_util.tree_unflatten(treedef, [draw(k, path, leaf) for k, (path, leaf)
+                                                  in zip(keys, leaves)])
 
 
 def is_recurrent(params):
@@ -93,19 +118,19 @@ def gru_step(gru, hidden, inputs):
     return (1.0 - update) * candidate + update * hidden
 
 
-def gru_inputs(params, obs, obs_shape):
+def gru_inputs(params, obs, obs_shape, activation='relu'):
     """A recurrent network's input projections of observations [..., *obs_shape]
     -> [..., 3H]: every step's at once, outside the recurrence."""
-    return common.network(params['base'], obs, obs_shape)
+    return common.network(params['base'], obs, obs_shape, activation)
 
 
-def recurrent_features(params, obs, obs_shape, hidden, reset):
+def recurrent_features(params, obs, obs_shape, hidden, reset, activation='relu'):
     """A recurrent network over sequences: obs [B, L, *obs_shape] from the
     states `hidden` [B, H] at their first steps; after a step with `reset`
     [B, L] (its episode ended there, or it is not a step of one) the state is
     zeros again. -> (the state after each step, before its reset [B, L, H]:
     what the head reads; the state after the last step, reset applied)."""
-    inputs = gru_inputs(params, obs, obs_shape)
+    inputs = gru_inputs(params, obs, obs_shape, activation)
 
     def step(hidden, xs):
         inputs, reset = xs
@@ -219,6 +244,8 @@ class PolicySpec(typing.NamedTuple):
     hidden_sizes: tuple
     latent_size: int  # features the last layer reads (gSDE's noise rows)
     gru_size: int  # the GRU's state size (torso 'gru'), else 0: no memory
+    activation: str  # the hidden layers' (common.ACTIVATIONS)
+    init: str  # the weights' (common.init_mlp): 'glorot' or 'orthogonal'
 
 
 def policy_spec(config):
@@ -257,7 +284,8 @@ def policy_spec(config):
         sde=config.state_dependent_exploration and kind == 'box',
         sde_sample_freq=config.sde_sample_freq, torso=torso,
         conv_channels=config.conv_channels, hidden_sizes=config.hidden_sizes,
-        latent_size=latent_size, gru_size=gru_size)
+        latent_size=latent_size, gru_size=gru_size, activation=config.activation,
+        init=config.init)
 
 
 def observe(spec, obs):
@@ -275,8 +303,9 @@ def features_of(spec, net, obs, memory=None):
     recurrent_features)."""
     x = observe(spec, obs)
     if spec.gru_size:
-        return recurrent_features(net, x, spec.obs_shape, *memory)[0]
-    return common.mlp_hidden(*common.torso(net, x, spec.obs_shape))
+        return recurrent_features(net, x, spec.obs_shape, *memory, spec.activation)[0]
+    return common.mlp_hidden(*common.torso(net, x, spec.obs_shape, spec.activation),
+                             spec.activation)
 
 
 def policy_and_features(spec, params, obs, memory=None):
@@ -370,7 +399,7 @@ def init_policy(spec, key, hp, n_envs, fresh_episodes):
     net_key, env_key, key = jax.random.split(key, 3)
     params = {'net': init_network(net_key, spec.obs_shape, spec.hidden_sizes, spec.n_outputs,
                                   spec.torso, spec.conv_channels, last_scale=0.01,
-                                  gru_size=spec.gru_size)}
+                                  gru_size=spec.gru_size, init=spec.init)}
     if spec.kind == 'box':
         params['log_std'] = jnp.full((spec.latent_size, spec.n_outputs) if spec.sde
                                      else (spec.n_outputs,), hp['init_log_std'])
@@ -397,7 +426,8 @@ def rollout_step(spec, params, temperature, one_episode, final_obs, draws, nets,
     if draws is not None:  # gSDE: this step's weights, per env
         noise = draws[noise, jnp.arange(episode_return.shape[0])]
     stepped = {name: gru_step(net['gru'], memory[name],
-                              gru_inputs(net, observe(spec, obs), spec.obs_shape))
+                              gru_inputs(net, observe(spec, obs), spec.obs_shape,
+                                         spec.activation))
                for name, net in nets.items()}
     action, env_action = act(spec, noise, params, obs, temperature, stepped.get('policy'))
     step = (functools.partial(common.step_first_episode, spec.env) if one_episode

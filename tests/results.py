@@ -119,6 +119,10 @@ def row_table():
     rows += [Row(f'cartpole-{loss}', cartpole, 'CartPole-v1', loss.upper(),
                  f'python actor_critic.py --policy-loss {loss}', True, None)
              for loss in ('a2c', 'awr')]
+    rows += [Row('cartpole-ppo-joint', cartpole, 'CartPole-v1', 'PPO (joint)',
+                 'python actor_critic.py --joint', True, None),
+             Row('cartpole-ppo-shared', cartpole, 'CartPole-v1', 'PPO (joint, shared torso)',
+                 'python actor_critic.py --joint --shared-torso', True, None)]
     for env in CLASSIC:
         if env not in CONTINUOUS:
             rows.append(Row(f'dqn-{env}', classic, env, 'DQN', f'python dqn.py --env {env}',
@@ -387,8 +391,14 @@ def row_config(row):
 
 
 def command_mismatches(row, config):
-    """The fields where a run dir's config.json is not the row's command."""
+    """The fields where a run dir's config.json is not the row's command. A
+    field the run's config lacks was added to the Config after it ran: read as
+    its default, which is what the run did (a new field's default keeps the
+    numbers bitwise)."""
     expected = row_config(row)
+    module = importlib.import_module(shlex.split(row.command)[1][:-3])
+    config = {**{field.name: json.loads(json.dumps(field.default))
+                 for field in dataclasses.fields(module.Config)}, **config}
     return [f'{name} {config.get(name)} (the row: {expected[name]})'
             for name in sorted(expected) if name not in ('checkpoint_every',)
             and config.get(name) != expected[name]]

@@ -920,3 +920,81 @@ def test_joint_with_value_loss_coeff_0_trains_the_policy_as_the_policy_loss_alon
     for got, want in zip(chex_leaves(new_j.value_params), chex_leaves(state.value_params)):
         np.testing.assert_array_equal(got, want)
     assert int(new_j.train_step) == 8
+
+
+# --- PureJaxRL's PPO pieces as options (issue 52, item 1) ------------------
+
+def test_the_clipped_value_loss_is_its_formula():
+    rng = np.random.default_rng(0)
+    v, old, target = (rng.normal(size=64).astype(np.float32) for _ in range(3))
+    weight = (rng.random(64) > 0.2).astype(np.float32)
+    eps = 0.2
+    clipped = old + np.clip(v - old, -eps, eps)
+    want = np.sum(weight * np.maximum((v - target) ** 2, (clipped - target) ** 2)) / weight.sum()
+    got = ac.value_loss(jnp.asarray(v), jnp.asarray(target), jnp.asarray(weight),
+                        jnp.asarray(old), eps)
+    np.testing.assert_allclose(float(got), want, rtol=1e-6)
+    grad = jax.grad(lambda p: ac.value_loss(p, jnp.asarray(target), jnp.asarray(weight),
+                                            jnp.asarray(old), eps))(jnp.asarray(v))
+    # Where the clipped term is the larger and V moved past the clip, no gradient.
+    flat = (np.abs(v - old) > eps) & ((clipped - target) ** 2 > (v - target) ** 2)
+    assert flat.any() and np.all(np.asarray(grad)[flat] == 0)
+    unclipped = ac.value_loss(jnp.asarray(v), jnp.asarray(target), jnp.asarray(weight))
+    np.testing.assert_allclose(float(unclipped), np.sum(weight * (v - target) ** 2)
+                               / weight.sum(), rtol=1e-6)
+
+
+def test_orthogonal_init_has_purejaxrls_gains_and_tanh_is_the_nonlinearity():
+    config = ac.Config(init='orthogonal', activation='tanh', hidden_sizes=(64, 64))
+    agent = ac.make_agent(config)
+    hp = common.hyperparameters(config, common.expand_runs(config, {}, 0, 1))
+    state = agent.init(jax.random.PRNGKey(0), jax.tree.map(lambda x: x[0], hp))
+    policy, value = state.params['net'], state.value_params
+    for layers, head in ((policy, 0.01), (value, 1.0)):
+        for layer, gain in zip(layers, (np.sqrt(2), np.sqrt(2), head)):
+            w = np.asarray(layer['w'], np.float64)
+            gram = w.T @ w if w.shape[0] >= w.shape[1] else w @ w.T
+            np.testing.assert_allclose(gram, gain ** 2 * np.eye(len(gram)), atol=1e-5)
+            assert not np.any(np.asarray(layer['b']))
+    obs = jax.random.normal(jax.random.PRNGKey(1), (5, 4))
+    x = np.asarray(obs, np.float64)
+    for layer in policy[:-1]:
+        x = np.tanh(x @ np.asarray(layer['w'], np.float64) + np.asarray(layer['b']))
+    np.testing.assert_allclose(np.asarray(policies.features_of(agent.spec.policy, policy, obs)),
+                               x, atol=1e-5)
+
+
+def test_purejaxrls_pieces_train_joint_and_separate():
+    for joint in (True, False):
+        config = ac.Config(epochs=3, joint=joint, activation='tanh', init='orthogonal',
+                           clip_value_loss=True, hidden_sizes=(16,), n_eval_episodes=2)
+        _, _, metrics = common.run_sweep(ac.make_agent(config), config, num_seeds=2)
+        assert np.all(np.isfinite(metrics['metrics/value_loss']))
+
+
+# --- --joint's own settings (issue 52, item 2) ------------------------------
+
+@pytest.mark.parametrize('shared', [False, True])
+def test_joint_brings_purejaxrls_config_and_a_typed_flag_wins(shared, monkeypatch):
+    from harness import cli
+    captured = {}
+    monkeypatch.setattr(cli, 'run_experiment', lambda make_agent, config, grid, args, prog,
+                        agent=None: captured.update(config=config))
+    argv = ['--joint', *(['--shared-torso'] if shared else []), '--lr', '1e-3', '--quiet']
+    ac.main(argv)
+    config = captured['config']
+    want = {**ac.JOINT_SETTINGS['CartPole-v1'], 'lr': 1e-3}
+    assert {name: getattr(config, name) for name in want} == want
+    assert config.joint and config.shared_torso == shared
+    assert not set(want) & set(ac.VALUE_ONLY)  # the value trainer's own: none under --joint
+    ac.main(['--joint', '--policy-loss', 'a2c', '--quiet'])  # a mode's own, never PPO's
+    assert captured['config'].epochs == ac.A2C_SETTINGS['epochs']
+    ac.main(['--quiet'])  # without --joint: the defaults
+    assert captured['config'].n_envs == ac.Config.n_envs
+
+
+def test_joint_help_shows_its_settings(capsys):
+    with pytest.raises(SystemExit):
+        ac.main(['--joint', '--help'])
+    out = ' '.join(capsys.readouterr().out.split())
+    assert ('CartPole-v1: ' + fields.settings_flags(ac.JOINT_SETTINGS['CartPole-v1'])) in out

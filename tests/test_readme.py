@@ -80,7 +80,11 @@ def small(script, argv, cwd):
     elif not resuming:
         argv += ['--epochs', '2']
     if not resuming:
-        argv += SIZES[script[:-3]]
+        sizes = SIZES[script[:-3]]
+        if '--joint' in argv:  # the value trainer's own flags act without --joint only
+            sizes = [flag for i, flag in enumerate(sizes) if not flag.startswith('--value-')
+                     and not (i and sizes[i - 1].startswith('--value-'))]
+        argv += sizes
     return argv
 
 

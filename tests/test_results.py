@@ -124,7 +124,9 @@ def test_the_row_table():
     cartpole = [row.command for row in rows if row.group == 'CartPole commands']
     assert cartpole == ['python dqn.py', 'python pg.py', 'python pg.py --torso gru',
                         'python actor_critic.py', 'python actor_critic.py --policy-loss a2c',
-                        'python actor_critic.py --policy-loss awr']
+                        'python actor_critic.py --policy-loss awr',
+                        'python actor_critic.py --joint',
+                        'python actor_critic.py --joint --shared-torso']
     assert all(row.plain for row in rows if row.group == 'CartPole commands')
     import dqn
     import fields
@@ -402,3 +404,15 @@ def test_a_resumed_rows_wall_time_counts_every_session(paths):
     row = json.load(open(paths['results.json']))['rows']['cartpole-dqn']
     assert (row['wall_s'], row['wall_known']) == (12.5 + 600, False)
     assert '| 612+ |' in open(paths['results.md']).read()  # 612.5 s, at least
+
+
+def test_a_field_added_after_a_run_reads_as_its_default():
+    """The runs landed before --activation, --init and --clip-value-loss lack
+    them in config.json: as their defaults they are the row's command; another
+    value is not."""
+    row = results.ROWS['cartpole-ppo']
+    config = results.row_config(row)
+    old = {k: v for k, v in config.items() if k not in ('activation', 'init', 'clip_value_loss')}
+    assert results.command_mismatches(row, old) == []
+    assert results.command_mismatches(row, {**old, 'activation': 'tanh'}) == [
+        'activation tanh (the row: relu)']
