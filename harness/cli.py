@@ -503,6 +503,7 @@ def _set_up(make_agent, config, grid, args, prog, agent=None):
     agent = agent or make_agent(config, given=getattr(args, 'set_fields',
                                                       getattr(args, 'given', set())))
     sharding = devices._run_sharding(len(runs), args.device, getattr(args, 'cpu_devices', None))
+    _check_cpu_sharding(agent, sharding, getattr(args, 'cpu_devices', None))
     pad = devices.lone_run_padding(len(runs), sharding, getattr(args, 'batch_invariant', True))
     hp = _pad_rows(common.hyperparameters(config, runs), pad)
 
@@ -663,25 +664,51 @@ def _check_saved_config(run):
 BITWISE_OBS_SIZE = 4
 
 
+def _runs_per_device_matter(agent):
+    """None where a run's numbers do not depend on how many runs its device
+    computes (CartPole-width observations, discrete actions: tested), else
+    why they do: observations wider than BITWISE_OBS_SIZE, or Box actions
+    (PPO on Pendulum-v1), in the last bits at XLA CPU's optimisation levels
+    1 and 2 (docs/usage.md)."""
+    policy = getattr(getattr(agent, 'spec', None), 'policy', None)
+    box = getattr(policy, 'kind', 'discrete') == 'box'
+    obs_size = int(np.prod(agent.obs_shape))
+    if obs_size <= BITWISE_OBS_SIZE and not box:
+        return None
+    return f'with {obs_size} observation values{" and Box actions" if box else ""} the numbers ' \
+        'depend on the runs per device in the last bits (docs/usage.md, sharding)'
+
+
+def _check_cpu_sharding(agent, sharding, cpu_devices):
+    """Refuse runs sharded over several CPU devices (--cpu-devices, or several
+    processes) where their numbers would not be bitwise one device's."""
+    why = _runs_per_device_matter(agent)
+    if why is None or len(sharding.device_set) < 2 or \
+            next(iter(sharding.device_set)).platform != 'cpu':
+        return
+    over = f'--cpu-devices {cpu_devices}' if cpu_devices else \
+        f'{len(sharding.device_set)} CPU devices'
+    raise common.UsageError(
+        f'{over}: {why}, so runs sharded over {len(sharding.device_set)} devices would not '
+        'be bitwise those on one; run on one device' +
+        (' (without --cpu-devices)' if cpu_devices else ' (--device 0)'))
+
+
 def _check_same_devices(run, saved_devices):
     """Refuse a resume on another number of devices where a run's numbers
-    depend in their last bits on how many runs each device's program computes:
-    observations wider than BITWISE_OBS_SIZE, or Box actions (PPO on
-    Pendulum-v1; docs/usage.md), where it would match neither uninterrupted run."""
+    depend in their last bits on how many runs each device's program computes
+    (_runs_per_device_matter), where it would match neither uninterrupted run."""
     now = len(run.sharding.device_set)
     if saved_devices is None or saved_devices == now:
         return
-    policy = getattr(getattr(run.agent, 'spec', None), 'policy', None)
-    box = getattr(policy, 'kind', 'discrete') == 'box'
-    obs_size = int(np.prod(run.agent.obs_shape))
-    if obs_size <= BITWISE_OBS_SIZE and not box:
+    why = _runs_per_device_matter(run.agent)
+    if why is None:
         return  # CartPole's width, discrete actions: bitwise on any count (tested)
     raise common.UsageError(
         f'{run.output_dir} was run on {saved_devices} device(s), this run would use {now}: '
-        f'with {obs_size} observation values{" and Box actions" if box else ""} the numbers '
-        'depend on the runs per device in the last bits (docs/usage.md, sharding); resume on '
-        f'{saved_devices} device(s)' + (' (--device 0 for one)' if saved_devices == 1 else
-                                         f' (--cpu-devices {saved_devices} on CPU)'))
+        f'{why}; resume on {saved_devices} device(s)' + (
+            ' (--device 0 for one)' if saved_devices == 1 else
+            f' (--cpu-devices {saved_devices} on CPU)'))
 
 
 def _compile_phases(run, args):

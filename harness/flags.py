@@ -108,9 +108,10 @@ def _add_run_flags(parser):
                      type=fields.value_type(int, optional=True, name='--cpu-devices'),
                      help='CPU: split the host into N JAX devices, so the runs are sharded '
                           'over N cores (the runs must divide evenly); each device computes '
-                          'the one-device program on its runs: CartPole-width runs bitwise as '
-                          'on one device, wider observations or Box actions in the last bits '
-                          'as their runs alone (docs/usage.md); a resume keeps the count '
+                          'the one-device program on its runs, bitwise as on one device: '
+                          'CartPole-width observations with discrete actions only (wider '
+                          'ones or Box actions differ in the last bits, so are refused; '
+                          'docs/usage.md); a resume keeps the count '
                           '(default: JAX\'s, one CPU device)')
     run.add_argument('--time-limit', default=None, metavar='SECONDS',
                      type=fields.value_type(float, optional=True, name='--time-limit'),
