@@ -1063,6 +1063,18 @@ ENV_SETTINGS = {
                                   'SpaceInvaders-MinAtar', 'Seaquest-MinAtar')},
 }
 
+# gymnax-blines' MinAtar PPO at its 1e7 steps (github.com/RobertTLange/gymnax-blines,
+# agents/ppo configs): an MLP of 2 x 256 over the flattened grid, 64 envs x 128
+# steps an update, 4 x 8 minibatches of 1024, lr 5e-4, gamma 0.999. A flag set,
+# not --env's settings: PQN (`python dqn.py --env <game>`) beats it at 10M
+# (docs/results.md's MinAtar group).
+BLINES_MINATAR = {'policy_loss': 'ppo', 'torso': 'mlp', 'hidden_sizes': (256, 256),
+                  'n_envs': 64, 'n_interactions_per_epoch': 8192, 'batch_size': 1024,
+                  'value_batch_size': 1024, 'train_steps_per_epoch': 32,
+                  'value_train_steps_per_epoch': 32, 'lr': 5e-4, 'value_lr': 5e-4,
+                  'gamma': 0.999, 'entropy_coeff': 0.01, 'epochs': 1221,
+                  'n_eval_episodes': 128}
+
 
 # A mode's settings (--policy-loss a2c or awr), for every env: a mode brings
 # settings tuned for it, never PPO's entries above. MODE_ENV_SETTINGS holds the

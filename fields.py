@@ -546,10 +546,14 @@ SETTINGS_HEADING = 'per-env settings'
 
 
 def env_settings_help(table):
-    """--help's per-env settings, one line per env, as the flags it amounts to."""
+    """--help's per-env settings as the flags they amount to, one line per
+    distinct entry (the envs sharing it named together)."""
     lines = [f'{SETTINGS_HEADING} (used when --env is one of these; a flag given on the '
              'command line wins):']
-    lines += [f'  {env}: {settings_flags(settings)}' for env, settings in (table or {}).items()]
+    envs = {}
+    for env, settings in (table or {}).items():
+        envs.setdefault(settings_flags(settings), []).append(env)
+    lines += [f'  {", ".join(names)}: {flags}' for flags, names in envs.items()]
     return '\n'.join(lines if table else lines + ['  (none)'])
 
 

@@ -132,7 +132,9 @@ def _add_run_flags(parser):
                           'epoch, and the config as text')
     run.add_argument('--batch-invariant', default=True, action=argparse.BooleanOptionalAction,
                      help='CPU: bitwise the same numbers for a run in any grid, sharded over '
-                          'any number of devices (XLA without its algebraic simplifier and '
+                          'any number of devices, where observations are CartPole-width with '
+                          'discrete actions (wider ones: docs/usage.md) (XLA without its '
+                          'algebraic simplifier and '
                           'YNNPACK fusions other than matmuls; no device computes a single '
                           'run of a sharded program); a lone run differs in the last bits '
                           '(docs/usage.md)')

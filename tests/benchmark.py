@@ -201,13 +201,12 @@ GpuCase = collections.namedtuple('GpuCase', 'name script flags seeds limit_s smo
 def gpu_cases():
     """The suite's runs, in order. `limit_s`: each run's --time-limit when time
     is plentiful; `smoke_flags` (appended, so they win) shrink it for --smoke."""
-    import results  # tests/results.py: the results table's PQN and gymnax-blines PPO flags
+    import results  # tests/results.py: the results table's gymnax-blines PPO flags
     minatar_smoke = '--epochs 1 --n-eval-episodes 4 --eval-every 1'
     return [
         GpuCase('dqn-cartpole', 'dqn', '', GPU_SEEDS, 40, '--epochs 2'),
         GpuCase('ppo-cartpole', 'actor_critic', ppo_flags(''), GPU_SEEDS, 40, '--epochs 2'),
-        GpuCase('pqn-breakout-10M', 'dqn', f'--env Breakout-MinAtar {results.pqn_flags()}', (1,),
-                120, minatar_smoke),
+        GpuCase('pqn-breakout-10M', 'dqn', '--env Breakout-MinAtar', (1,), 120, minatar_smoke),
         GpuCase('ppo-breakout-10M', 'actor_critic',
                 ppo_flags(f'--env Breakout-MinAtar {results.PPO_BLINES}'), (1,), 120,
                 minatar_smoke),

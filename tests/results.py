@@ -76,22 +76,17 @@ Group = collections.namedtuple('Group', 'name seeds legend')
 Row = collections.namedtuple('Row', 'id group env algo command plain aggregate')
 
 
-def pqn_flags():
-    import dqn  # its PQN_MINATAR, as docs/dqn.md's "PQN as settings" gives it
-    return fields.settings_flags(dqn.PQN_MINATAR)
+def ppo_blines_flags():
+    import actor_critic  # its BLINES_MINATAR, gymnax-blines' MinAtar PPO config
+    return fields.settings_flags(actor_critic.BLINES_MINATAR)
 
 
-# gymnax-blines' MinAtar PPO config, in actor_critic.py's flags.
-PPO_BLINES = ('--policy-loss ppo --torso mlp --hidden-sizes 256,256 --n-envs 64 '
-              '--n-interactions-per-epoch 8192 --batch-size 1024 --value-batch-size 1024 '
-              '--train-steps-per-epoch 32 --value-train-steps-per-epoch 32 --lr 5e-4 '
-              '--value-lr 5e-4 --gamma 0.999 --entropy-coeff 0.01 --epochs 1221 '
-              '--n-eval-episodes 128')
+PPO_BLINES = ppo_blines_flags()
 GROUPS = [  # in table order; `seeds`: what `run` is told for the group's rows
     Group('CartPole commands', '1000:1032', {}),
     Group('classic/bsuite/misc', '1000:1032', {}),
     Group('memory', '1000:1032', {}),
-    Group('MinAtar 10M', '1000:1002', {'$PQN': pqn_flags(), '$PPO_BLINES': PPO_BLINES}),
+    Group('MinAtar 10M', '1000:1002', {'$PPO_BLINES': PPO_BLINES}),
 ]
 
 
@@ -136,8 +131,8 @@ def row_table():
             rows.append(Row(f'dqn-{env}', memory, env, 'DQN (MLP)',
                             f'python dqn.py --env {env}', False, None))
     for env in MINATAR:
-        rows.append(Row(f'pqn-{env}', minatar, env, 'PQN',
-                        f'python dqn.py --env {env} {pqn_flags()}', False, None))
+        rows.append(Row(f'pqn-{env}', minatar, env, 'PQN',  # dqn.py's MinAtar settings
+                        f'python dqn.py --env {env}', False, None))
         rows.append(Row(f'ppo-{env}', minatar, env, 'PPO (gymnax-blines)',
                         f'python actor_critic.py --env {env} {PPO_BLINES}', False, None))
     return rows

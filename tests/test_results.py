@@ -129,9 +129,11 @@ def test_the_row_table():
                         'python actor_critic.py --joint --shared-torso']
     assert all(row.plain for row in rows if row.group == 'CartPole commands')
     import dqn
-    import fields
-    pqn = results.ROWS['pqn-Breakout-MinAtar'].command
-    assert pqn == f'python dqn.py --env Breakout-MinAtar {fields.settings_flags(dqn.PQN_MINATAR)}'
+    assert results.ROWS['pqn-Breakout-MinAtar'].command == 'python dqn.py --env Breakout-MinAtar'
+    pqn = results.row_config(results.ROWS['pqn-Breakout-MinAtar'])  # --env's: PQN's recipe
+    assert {name: pqn[name] for name in dqn.PQN_MINATAR} == {
+        name: list(value) if isinstance(value, tuple) else value
+        for name, value in dqn.PQN_MINATAR.items()}
     memory = {row.env: results.BASELINES[row.env] for row in rows if row.group == 'memory'}
     assert memory == {'MemoryChain-bsuite': 1, 'MetaMaze-misc': 32,
                       'BernoulliBandit-misc': 90, 'PointRobot-misc': 10}
