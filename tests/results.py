@@ -852,7 +852,30 @@ def readme_block(data):
     sentences = [s for s in (aggregate_sentence(data, a) for a in ('DQN', 'PPO')) if s]
     if sentences:
         lines += ['', 'Across gymnax: ' + '; '.join(sentences) + '.']
+    minatar = minatar_sentence(data)
+    if minatar:
+        lines += ['', minatar]
     return '\n'.join(lines + ['', END])
+
+
+def minatar_sentence(data):
+    """The README's MinAtar line: each agent's IQM [worst seed] per game beside
+    gymnax-blines' figure, or None before any MinAtar row."""
+    records = ordered(data, GROUPS[-1].name)
+    if not records:
+        return None
+    agents = {}
+    for record in records:
+        point, *_, worst = summary_of(record)
+        agents.setdefault((record['algo'], record['command'].split()[1]), []).append(
+            f'{record["env"].split("-")[0]} {fmt(point)} (worst {fmt(worst)})')
+    seeds = sorted({seed for record in records for seed in record['seeds']})
+    return (f'MinAtar at 10M env steps, IQM over evaluation seeds {seeds[0]}-{seeds[-1]}: '
+            + '; '.join(f'{algo}, `{script}`: ' + ', '.join(games)
+                        for (algo, script), games in agents.items())
+            + '; gymnax-blines\' own PPO figures: ' + ', '.join(
+                f'{env.split("-")[0]} {fmt(BASELINES[env])}' for env in MINATAR)
+            + ' (one seed, the sampled policy; docs/results.md).')
 
 
 def readme_with_block(path, data):

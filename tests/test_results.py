@@ -265,6 +265,20 @@ def test_report_writes_the_documents_and_rewrites_them_byte_for_byte(paths):
     assert contents(paths) == first
 
 
+def test_the_readme_block_names_each_minatar_agent_beside_the_baselines(paths):
+    write_run(f'{paths["runs"]}/pqn-Breakout-MinAtar', 'pqn-Breakout-MinAtar', [1000, 1001],
+              [[5.0, 6.0], [90.0, 94.0]])
+    write_run(f'{paths["runs"]}/ppo-Breakout-MinAtar', 'ppo-Breakout-MinAtar', [1000, 1001],
+              [[1.0, 2.0], [11.0, 12.0]])
+    report(paths)
+    readme = contents(paths)['README.md'].decode()
+    line = next(line for line in readme.splitlines() if line.startswith('MinAtar at 10M'))
+    assert line.startswith('MinAtar at 10M env steps, IQM over evaluation seeds 1000-1001: '
+                           'PQN, `dqn.py`: Breakout 92.0 (worst 90.0); PPO (gymnax-blines), '
+                           '`actor_critic.py`: Breakout 11.5 (worst 11.0); gymnax-blines\' own '
+                           'PPO figures: Asterix 15.0, Breakout 28.0'), line
+
+
 def test_report_refuses_tuning_seeds_and_writes_nothing(paths, capsys):
     write_run(f'{paths["runs"]}/cartpole-dqn', 'cartpole-dqn', list(range(4)),
               cartpole_curve(4, 500.0))
