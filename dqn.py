@@ -720,8 +720,9 @@ ENV_SETTINGS = {
     # Sparse: slower epsilon decay and 5-step returns.
     'MountainCar-v0': {'epochs': 100, 'max_slice_length': 6, 'lr': 3e-3,
                        'exploration_decay_factor': 0.97},
-    # MinAtar: PQN's recipe at its 1e7 steps (above), the better agent at 10M
-    # (docs/results.md: Breakout 94.2 against gymnax-blines' PPO config's 11.5).
+    # MinAtar: PQN's recipe at its 1e7 steps (above), the better agent at 10M on
+    # Breakout and Freeway; on SpaceInvaders PPO is (actor_critic.py's settings;
+    # docs/results.md).
     **{f'{game}-MinAtar': PQN_MINATAR
        for game in ('Asterix', 'Breakout', 'Freeway', 'SpaceInvaders', 'Seaquest')},
 }

@@ -81,6 +81,15 @@ def ppo_blines_flags():
     return fields.settings_flags(actor_critic.BLINES_MINATAR)
 
 
+def ppo_blines_command(env):
+    """actor_critic.py on gymnax-blines' config: --env alone where that is the
+    env's settings (the game where it beats PQN), else with its flags."""
+    import actor_critic
+    if actor_critic.ENV_SETTINGS.get(env) is actor_critic.BLINES_MINATAR:
+        return f'python actor_critic.py --env {env}'
+    return f'python actor_critic.py --env {env} {PPO_BLINES}'
+
+
 PPO_BLINES = ppo_blines_flags()
 GROUPS = [  # in table order; `seeds`: what `run` is told for the group's rows
     Group('CartPole commands', '1000:1032', {}),
@@ -134,7 +143,7 @@ def row_table():
         rows.append(Row(f'pqn-{env}', minatar, env, 'PQN',  # dqn.py's MinAtar settings
                         f'python dqn.py --env {env}', False, None))
         rows.append(Row(f'ppo-{env}', minatar, env, 'PPO (gymnax-blines)',
-                        f'python actor_critic.py --env {env} {PPO_BLINES}', False, None))
+                        ppo_blines_command(env), False, None))
     return rows
 
 

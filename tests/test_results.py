@@ -139,8 +139,12 @@ def test_the_row_table():
                       'BernoulliBandit-misc': 90, 'PointRobot-misc': 10}
     configs = {row.id: results.row_config(row) for row in rows}  # each command is valid
     assert all(configs[row.id]['env'] == row.env for row in rows)
-    config = configs['ppo-Breakout-MinAtar']
-    assert (config['hidden_sizes'], config['epochs'], config['gamma']) == ([256, 256], 1221, 0.999)
+    for game in ('Breakout', 'SpaceInvaders'):  # flags, or the env's settings where PPO wins
+        config = configs[f'ppo-{game}-MinAtar']
+        assert (config['hidden_sizes'], config['epochs'], config['gamma']) == (
+            [256, 256], 1221, 0.999)
+    assert results.ROWS['ppo-SpaceInvaders-MinAtar'].command == \
+        'python actor_critic.py --env SpaceInvaders-MinAtar'
     assert configs['ppo-MemoryChain-bsuite']['torso'] == 'gru'  # the env's settings apply
 
 
