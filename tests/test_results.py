@@ -430,7 +430,7 @@ def test_a_field_added_after_a_run_reads_as_its_default():
     """The runs landed before --activation, --init and --clip-value-loss lack
     them in config.json: as their defaults they are the row's command; another
     value is not."""
-    row = results.ROWS['cartpole-ppo']
+    row = results.ROWS['cartpole-a2c']
     config = results.row_config(row)
     old = {k: v for k, v in config.items() if k not in ('activation', 'init', 'clip_value_loss')}
     assert results.command_mismatches(row, old) == []
