@@ -89,7 +89,8 @@ def test_run_sweep_gives_the_command_lines_numbers(algo, tmp_path):
                  '--no-tensorboard', '--compile-cache', 'none'])
     records = [json.loads(line) for line in open(os.path.join(out, 'metrics.jsonl'))]
 
-    config = module.Config(**SMALL[algo])
+    # the command line's: CartPole-v1's settings (actor_critic's init), then the flags
+    config = module.Config(**{**module.ENV_SETTINGS.get('CartPole-v1', {}), **SMALL[algo]})
     runs, state, metrics = common.run_sweep(module.make_agent(config), config, seed=5,
                                             num_seeds=2, grid=GRID)
     first = [record for record in records if record['epoch'] == 1]
