@@ -667,10 +667,13 @@ class Stopped(Exception):
 
 @contextlib.contextmanager
 def stop_signals():
-    """SIGTERM and SIGHUP raise Stopped in the main thread while a copy runs."""
+    """SIGTERM and SIGHUP raise Stopped in the main thread while a copy runs;
+    SIGINT raises KeyboardInterrupt even where the process started with it
+    ignored (as the full command line handles it)."""
     def stop(signum, frame):
         raise Stopped(signum)
     previous = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGHUP)}
+    previous[signal.SIGINT] = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         yield
     finally:

@@ -188,10 +188,13 @@ def test_the_copy_refuses_runs_that_cannot_fit_in_memory(tmp_path):
 
 @pytest.mark.parametrize('signum', [signal.SIGINT, signal.SIGTERM])
 def test_a_signal_stops_the_copy_in_one_line(signum, tmp_path):
+    """Started with SIGINT ignored, as a background job or a test worker that
+    ran the command line in process passes it on: Ctrl-C still stops it."""
     folder = copied('dqn', tmp_path)
     process = subprocess.Popen([sys.executable, 'dqn.py', *LONG, '--output-dir', 'out'],
                                cwd=folder, env=environment(), stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True)
+                               stderr=subprocess.PIPE, text=True,
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     try:
         assert process.stdout.readline().startswith('epoch ')  # running, past the compile
         process.send_signal(signum)
