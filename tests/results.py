@@ -154,13 +154,13 @@ ROWS = {row.id: row for row in row_table()}
 NOTES = {
     'CartPole-v1': 'DQN in the plain compile mode: one seed of 32 (1000-1031) ends at 129.9 '
                    'after reaching 500 earlier, a late collapse the other compile mode does '
-                   'not meet on these seeds; on tuning seeds 0-63 (plain) the defaults\' worst '
-                   'seed is 453.8, and every alternative tried there did worse by the worst '
-                   'seed: lr 5e-3 or 2.5e-3, --sync-freq 100, gamma 0.98, 75 epochs, an '
-                   'exploration floor of 0.05 or decay of 0.95. REINFORCE with the GRU '
-                   'torso (--torso gru): one seed of 32 in each compile mode ends below 400 '
-                   '(219.7, 343.2) while the IQM is 500; its settings are not yet tuned for '
-                   'the tail',
+                   'not meet on these seeds; on tuning seeds 0-127 (plain) the defaults\' worst '
+                   'seed is 380.4 (0-63: 453.8), and every alternative tried on them (0-63 or all '
+                   '128) did worse by the worst seed: lr 5e-3 or 2.5e-3 (and 5e-3 with 256 steps an epoch), 64 '
+                   'steps an epoch, batch 64 or 256, --sync-freq 10 or 100, gamma 0.98, 75 '
+                   'epochs, replay of 20 epochs, an exploration floor of 0.05 or decay of 0.85 '
+                   'or 0.95, 2-step returns, td_lambda targets, the L2 loss, LayerNorm, a '
+                   '128x128 net',
     'MountainCar-v0': 'actor_critic.py has no MountainCar settings: PPO\'s defaults reach the '
                       'flag on no seed (-200: the reward is -1 a step until the flag, so no '
                       'episode ends early and no advantage points the way), as earlier tries '

@@ -687,6 +687,39 @@ def test_help_documents_every_field(capsys):
         assert field.metadata['help']
 
 
+def test_gru_brings_its_cartpole_settings_and_a_typed_flag_wins(monkeypatch):
+    """--torso gru on CartPole-v1 takes GRU_SETTINGS (a flag typed wins); the
+    MLP keeps the defaults, and so does the GRU on another env."""
+    from harness import cli
+    captured = {}
+    monkeypatch.setattr(cli, 'run_experiment', lambda make_agent, config, grid, args, prog,
+                        agent=None: captured.update(config=config))
+    pg.main(['--torso', 'gru', '--quiet'])
+    want = pg.GRU_SETTINGS['CartPole-v1']
+    assert {name: getattr(captured['config'], name) for name in want} == want
+    assert want['epochs'] != pg.Config.epochs and want['lr'] != pg.Config.lr
+    pg.main(['--torso', 'gru', '--lr', '1e-3', '--quiet'])
+    assert (captured['config'].lr, captured['config'].epochs) == (1e-3, want['epochs'])
+    pg.main(['--quiet'])
+    assert (captured['config'].lr, captured['config'].epochs) == (pg.Config.lr, pg.Config.epochs)
+    pg.main(['--torso', 'gru', '--env', 'Acrobot-v1', '--quiet'])
+    assert captured['config'].epochs == pg.Config.epochs
+
+
+def test_gru_settings_reach_the_plain_command_line_and_help(monkeypatch, capsys):
+    """Without harness/ (a copy) the same table applies, and --help lists it."""
+    import fields
+    captured = {}
+    monkeypatch.setattr(fields, 'plain_run', lambda agent, config, grid, seed, num_seeds,
+                        output_dir: captured.update(config=config))
+    fields.plain_main(pg.Config, pg.make_agent, pg.settings_table, ['--torso', 'gru'])
+    assert captured['config'].epochs == pg.GRU_SETTINGS['CartPole-v1']['epochs']
+    with pytest.raises(SystemExit):
+        pg.main(['--torso', 'gru', '--help'])
+    out = ' '.join(capsys.readouterr().out.split())
+    assert 'CartPole-v1: ' + fields.settings_flags(pg.GRU_SETTINGS['CartPole-v1']) in out
+
+
 # ---------------------------------------------------------------------------
 # One epoch on every registered gymnax env.
 # ---------------------------------------------------------------------------
