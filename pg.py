@@ -473,6 +473,7 @@ def settings_table(typed):
     """The per-env settings for the flags typed: --torso gru's own, else ENV_SETTINGS."""
     return GRU_SETTINGS if typed.get('torso') == 'gru' else ENV_SETTINGS
 
+
 NOT_HERE = ('pg.py is REINFORCE (Trax PolicyGradient); A2C and PPO are in actor_critic.py: '
             'python actor_critic.py --policy-loss ppo')
 
