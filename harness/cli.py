@@ -715,17 +715,32 @@ def _compile_phases(run, args):
     """Compile init and the chunk of epochs (or, for --only-eval, evaluate);
     run init. Returns (initial state, {name: compiled})."""
     compile_start = time.time()
-    state = _compiled(run, run.agent.batched('init'), run.keys, run.hp)(run.keys, run.hp)
+    init = run.agent.batched('init')
     if args.only_eval:
+        state = _compiled(run, init, run.keys, run.hp)(run.keys, run.hp)
         phases = {'evaluate': _compiled(run, run.agent.batched('evaluate'), run.hp, state)}
     else:
         length = min(CHUNK_EPOCHS, run.config.epochs)
         def chunk(hp, state, plan):  # plan: [n_runs, 4], every row start, n, epochs, eval_every
             return common.run_epochs(run.agent, length, hp, state, *plan[0])
-        phases = {'chunk': _compiled(run, chunk, run.hp, state, _plan(run, 0, 1)),
-                  'length': length}
+        first = lambda: _compiled(run, init, run.keys, run.hp)(run.keys, run.hp)  # noqa: E731
+        second = lambda: _compiled(run, chunk, run.hp, _state_shapes(run, init),  # noqa: E731
+                                   _plan(run, 0, 1))
+        if isinstance(run.sharding, jax.sharding.NamedSharding):  # devices.PerDevice: in turn
+            state, compiled = first(), second()
+        else:
+            state, compiled = common.overlapped(first, second)
+        phases = {'chunk': compiled, 'length': length}
     run.compile_s = time.time() - compile_start
     return state, phases
+
+
+def _state_shapes(run, init):
+    """init's output as ShapeDtypeStructs on the run's sharding: the chunk
+    compiles from them before init has run."""
+    return jax.tree.map(lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype,
+                                                          sharding=run.sharding),
+                        jax.eval_shape(init, run.keys, run.hp))
 
 
 def _compiled(run, function, *example):
