@@ -7,6 +7,7 @@ import contextlib
 import dataclasses
 import datetime
 import errno
+import functools
 import gc
 import importlib
 import importlib.util
@@ -723,13 +724,10 @@ def _compile_phases(run, args):
         length = min(CHUNK_EPOCHS, run.config.epochs)
         def chunk(hp, state, plan):  # plan: [n_runs, 4], every row start, n, epochs, eval_every
             return common.run_epochs(run.agent, length, hp, state, *plan[0])
-        first = lambda: _compiled(run, init, run.keys, run.hp)(run.keys, run.hp)  # noqa: E731
-        second = lambda: _compiled(run, chunk, run.hp, _state_shapes(run, init),  # noqa: E731
-                                   _plan(run, 0, 1))
-        if isinstance(run.sharding, jax.sharding.NamedSharding):  # devices.PerDevice: in turn
-            state, compiled = first(), second()
-        else:
-            state, compiled = common.overlapped(first, second)
+        def initial_state():
+            return _compiled(run, init, run.keys, run.hp)(run.keys, run.hp)
+        state, compiled = common.overlapped(initial_state, functools.partial(
+            _compiled, run, chunk, run.hp, _state_shapes(run, init), _plan(run, 0, 1)))
         phases = {'chunk': compiled, 'length': length}
     run.compile_s = time.time() - compile_start
     return state, phases

@@ -3,6 +3,7 @@ sharded over devices, and one sweep over several processes
 (jax.distributed), where process 0 is the one writer."""
 
 import collections
+import concurrent.futures
 import dataclasses
 import hashlib
 import io
@@ -413,9 +414,11 @@ class PerDevice:
         self.n_devices = len(sharding.device_set)
         self.devices = sorted(sharding.addressable_devices, key=lambda device: device.id)
         jitted = jax.jit(function)
-        self.compiled = [jitted.lower(*jax.tree.map(lambda leaf: self._shard_shape(leaf, device),
-                                                    example)).compile(compiler_options=options)
-                         for device in self.devices]
+        def compiled(device):  # one program a device, compiled side by side (XLA frees the GIL)
+            return jitted.lower(*jax.tree.map(lambda leaf: self._shard_shape(leaf, device),
+                                              example)).compile(compiler_options=options)
+        with concurrent.futures.ThreadPoolExecutor(len(self.devices)) as pool:
+            self.compiled = list(pool.map(compiled, self.devices))
 
     def _shard_shape(self, leaf, device):
         shape = (leaf.shape[0] // self.n_devices,) + tuple(leaf.shape[1:])
