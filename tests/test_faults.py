@@ -891,7 +891,9 @@ def test_a_float32_value_is_printed_exactly():
 MEMORY = [  # the flag that grew the state, and flags the script's list names but did not
     (actor_critic, ['--policy-loss', 'awr', '--n-replay-epochs', '1000000'],
      '--n-replay-epochs 1000000', ['--max-steps', '--n-trajectories-per-epoch']),
-    (pg, ['--torso', 'gru', '--gru-size', '200000', '--batch-size', '0'], '--gru-size 200000',
+    # (--n-trajectories-per-epoch typed at its default: GRU_SETTINGS' 64 would be named too)
+    (pg, ['--torso', 'gru', '--gru-size', '200000', '--batch-size', '0',
+          '--n-trajectories-per-epoch', '32'], '--gru-size 200000',
      ['--max-steps', '--n-trajectories-per-epoch', '--batch-size']),
     (dqn, ['--n-replay-epochs', '4000000'], '--n-replay-epochs 4000000',
      ['--batch-size', '--train-steps-per-epoch']),
