@@ -3,7 +3,6 @@ estimators and remaining_evals, gymnax envs, MLP and conv networks, multifactor
 schedules, the Agent record and run_sweep (seeds x a grid, one compiled
 program). The Config contract and the plain command line are fields.py's."""
 
-import concurrent.futures
 import contextlib
 import contextvars
 import dataclasses
@@ -739,22 +738,10 @@ def compiled_runs(agent, config, grid, seed, num_seeds, length, batch_invariant=
     runs = expand_runs(config, grid or {}, seed, num_seeds)
     hp, keys = hyperparameters(config, runs), run_keys(runs)
     options = compiler_options(batch_invariant)
-    init = agent.batched('init')
-    chunk = jax.jit(functools.partial(run_epochs, agent, length))
-    state, chunk = overlapped(
-        lambda: init.lower(keys, hp).compile(compiler_options=options)(keys, hp),
-        lambda: chunk.lower(hp, jax.eval_shape(init, keys, hp), *plan(config, 0, 1)).compile(
-            compiler_options=options))
+    state = agent.batched('init').lower(keys, hp).compile(compiler_options=options)(keys, hp)
+    chunk = jax.jit(functools.partial(run_epochs, agent, length)).lower(
+        hp, state, *plan(config, 0, 1)).compile(compiler_options=options)
     return runs, hp, state, chunk
-
-
-def overlapped(first, second):
-    """(first(), second()), second in a thread of its own: XLA compiles with
-    the GIL released, so the chunk's compile (seconds) runs beside init's on a
-    second core. The programs are the ones compiled one after the other."""
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        later = pool.submit(second)
-        return first(), later.result()
 
 
 def plan(config, start, n, epochs=None):

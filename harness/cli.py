@@ -3,6 +3,7 @@ parse and check the flags, set up or resume the run directory, compile the
 phases, loop over epochs (Trax's Agent.run) writing metrics, checkpoints and
 TensorBoard, and finish with summary.json."""
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import datetime
@@ -726,11 +727,20 @@ def _compile_phases(run, args):
             return common.run_epochs(run.agent, length, hp, state, *plan[0])
         def initial_state():
             return _compiled(run, init, run.keys, run.hp)(run.keys, run.hp)
-        state, compiled = common.overlapped(initial_state, functools.partial(
+        state, compiled = _overlapped(initial_state, functools.partial(
             _compiled, run, chunk, run.hp, _state_shapes(run, init), _plan(run, 0, 1)))
         phases = {'chunk': compiled, 'length': length}
     run.compile_s = time.time() - compile_start
     return state, phases
+
+
+def _overlapped(first, second):
+    """(first(), second()), second in a thread of its own: XLA compiles with
+    the GIL released, so the chunk's compile runs beside init's compile and
+    run on a second core. The programs are those compiled one after the other."""
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        later = pool.submit(second)
+        return first(), later.result()
 
 
 def _state_shapes(run, init):

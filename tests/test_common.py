@@ -861,23 +861,3 @@ def test_import_common_does_not_import_gymnax():
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == 'ok'
 
-
-def test_overlapped_runs_both_and_compiles_the_same_program():
-    """The chunk compiles in a thread beside init: both results come back in
-    order, an error in either reaches the caller, and a program compiled in the
-    thread from init's shapes runs bitwise as one compiled from its output."""
-    order = []
-    assert common.overlapped(lambda: order.append(1) or 'a', lambda: order.append(2) or 'b') \
-        == ('a', 'b')
-    assert sorted(order) == [1, 2]
-    with pytest.raises(ValueError, match='second'):
-        common.overlapped(lambda: 1, lambda: (_ for _ in ()).throw(ValueError('second')))
-    with pytest.raises(ValueError, match='first'):
-        common.overlapped(lambda: (_ for _ in ()).throw(ValueError('first')), lambda: 2)
-    init = jax.jit(lambda key: {'w': jax.random.normal(key, (3, 4)), 'n': jnp.zeros((), jnp.int32)})
-    step = jax.jit(lambda state: {'w': jnp.tanh(state['w'] @ state['w'].T @ state['w']),
-                                  'n': state['n'] + 1})
-    key = jax.random.PRNGKey(0)
-    state, threaded = common.overlapped(lambda: init(key),
-                                        lambda: step.lower(jax.eval_shape(init, key)).compile())
-    assert_trees_bitwise_equal(threaded(state), step.lower(state).compile()(state))

@@ -650,3 +650,24 @@ def test_no_code_parses_an_error_message():
     for name in ('common.py', 'fields.py', os.path.join('harness', 'cli.py')):
         source = open(os.path.join(REPO, name)).read()
         assert 'import re\n' not in source, name
+
+
+def test_overlapped_runs_both_and_compiles_the_same_program():
+    """The chunk compiles in a thread beside init: both results come back in
+    order, an error in either reaches the caller, and a program compiled in the
+    thread from init's shapes runs bitwise as one compiled from its output."""
+    order = []
+    assert cli._overlapped(lambda: order.append(1) or 'a', lambda: order.append(2) or 'b') \
+        == ('a', 'b')
+    assert sorted(order) == [1, 2]
+    with pytest.raises(ValueError, match='second'):
+        cli._overlapped(lambda: 1, lambda: (_ for _ in ()).throw(ValueError('second')))
+    with pytest.raises(ValueError, match='first'):
+        cli._overlapped(lambda: (_ for _ in ()).throw(ValueError('first')), lambda: 2)
+    init = jax.jit(lambda key: {'w': jax.random.normal(key, (3, 4)), 'n': jnp.zeros((), jnp.int32)})
+    step = jax.jit(lambda state: {'w': jnp.tanh(state['w'] @ state['w'].T @ state['w']),
+                                  'n': state['n'] + 1})
+    key = jax.random.PRNGKey(0)
+    state, threaded = cli._overlapped(lambda: init(key),
+                                      lambda: step.lower(jax.eval_shape(init, key)).compile())
+    chex.assert_trees_all_equal(threaded(state), step.lower(state).compile()(state), strict=True)
