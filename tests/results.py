@@ -155,9 +155,9 @@ NOTES = {
     'CartPole-v1': 'DQN in the plain compile mode: two seeds of 32 (1000-1031) end below 400 '
                    '(129.9, 307.5) after reaching 500: the defaults\' late collapse, which ends '
                    '1-3% of seeds below 400 (fresh tuning seeds 128-255: 4 of 128 plain, 1 of 128 '
-                   'in the default compile), so 32 seeds all clear 400 with odds of 0.4-0.7; of 47 '
-                   'alternatives tried only --n-envs 8 did better, and not yet in both compile '
-                   'modes (docs/dqn.md lists them)',
+                   'in the default compile), so 32 seeds all clear 400 with odds of 0.4-0.7; '
+                   'none of 47 alternatives tried did better in both compile modes (docs/dqn.md '
+                   'lists them)',
     'MountainCar-v0': 'actor_critic.py has no MountainCar settings: PPO\'s defaults reach the '
                       'flag on no seed (-200: the reward is -1 a step until the flag, so no '
                       'episode ends early and no advantage points the way), as earlier tries '
